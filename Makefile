@@ -1,0 +1,31 @@
+# `make demo` and `make test` bootstrap .venv themselves on a fresh machine (Python 3.11, pip, make).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EXTRAS ?= dev,notebooks
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --durations=15
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "not slow"
+
+demo: $(STAMP)
+	$(VENV)/bin/mhc-jax train --config configs/quickstart.yaml
+
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
