@@ -1,0 +1,155 @@
+"""Known answers for the per-layer diagnostics (mhc_jax.diagnostics)."""
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mhc_jax import diagnostics as D
+
+
+def _mats(seed=0, depth=5, n=3, positive=False):
+    rng = np.random.default_rng(seed)
+    m = rng.normal(size=(depth, n, n)).astype(np.float32)
+    return np.abs(m) if positive else m
+
+
+def _np_products(h):
+    out, p = [], np.eye(h.shape[-1], dtype=np.float64)
+    for hl in h.astype(np.float64):
+        p = hl @ p  # later layer on the left
+        out.append(p)
+    return np.stack(out)
+
+
+def test_identity_composite_gain_is_one():
+    h = jnp.broadcast_to(jnp.eye(4, dtype=jnp.float32), (6, 4, 4))
+    for fn in (D.amax_fwd_composite, D.amax_bwd_composite):
+        np.testing.assert_allclose(fn(h), np.ones(6), rtol=0, atol=0)
+    np.testing.assert_allclose(D.log_colsum_max(h), np.zeros(6), atol=0)
+    np.testing.assert_allclose(D.amax_fwd(h), np.ones(6))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_composite_matches_numpy_product_order(n):
+    h = _mats(seed=n, depth=5, n=n)
+    want = _np_products(h)
+    got = np.asarray(D.composite(h))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # the order matters for these matrices: the reversed product is different
+    assert not np.allclose(want[-1], h[0] @ h[1] @ h[2] @ h[3] @ h[4], atol=1e-3)
+    np.testing.assert_allclose(D.amax_fwd_composite(h), np.abs(want.sum(-1)).max(-1), rtol=1e-5)
+    np.testing.assert_allclose(D.amax_bwd_composite(h), np.abs(want.sum(-2)).max(-1), rtol=1e-5)
+
+
+def test_amax_single_layer_signed_sums():
+    h = jnp.array([[[1.0, -3.0], [0.5, 0.25]]])
+    np.testing.assert_allclose(D.amax_fwd(h), [2.0])  # rows: -2, 0.75
+    np.testing.assert_allclose(D.amax_bwd(h), [2.75])  # cols: 1.5, -2.75
+
+
+def test_log_colsum_max_known_and_guarded():
+    h = np.array([[[2.0, 0.0], [0.0, 0.5]], [[1.0, 0.0], [0.0, 1.0]]], np.float32)
+    np.testing.assert_allclose(D.log_colsum_max(h), [math.log(2.0), math.log(2.0)], rtol=1e-6)
+    # a zero and a negative column sum stay finite (log of |s| floored at 1e-30)
+    h0 = np.array([[[1.0, -1.0], [-1.0, -1.0]]], np.float32)  # col sums 0, -2
+    v = np.asarray(D.log_colsum_max(h0))
+    assert np.isfinite(v).all()
+    np.testing.assert_allclose(v, [-math.log(D.LOG_FLOOR)], rtol=1e-5)
+
+
+def test_composite_batched_leading_axes():
+    h = np.stack([_mats(1, 4, 2), _mats(2, 4, 2)])  # [pop=2, 2L=4, 2, 2]
+    got = np.asarray(D.composite(h))
+    for i in range(2):
+        np.testing.assert_allclose(got[i], _np_products(h[i]), rtol=1e-5, atol=1e-5)
+
+
+def test_gain_fwd_and_branch_ratio():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6, 8, 3)).astype(np.float32)
+    k = 2.5
+    rms = lambda a: np.sqrt(np.mean(np.square(a), axis=(1, 2)))
+    np.testing.assert_allclose(D.gain_fwd(rms(x), rms(k * x)), np.full(6, k), rtol=1e-6)
+    np.testing.assert_allclose(D.branch_ratio(jnp.ones(3), jnp.full(3, 4.0)), np.full(3, 0.25))
+
+
+def test_growth_exponent():
+    L = 7
+    assert float(D.growth_exponent(1.0, math.exp(L), L)) == pytest.approx(1.0, rel=1e-6)
+    assert float(D.growth_exponent(2.0, 2.0, L)) == 0.0
+    # vectorised over a batch of runs
+    np.testing.assert_allclose(D.growth_exponent(jnp.ones(2), jnp.exp(jnp.array([3.0, -6.0])), 3), [1.0, -2.0], rtol=1e-6)
+
+
+def test_gain_bwd_indexing():
+    g = jnp.array([8.0, 4.0, 2.0, 1.0])
+    out = np.asarray(D.gain_bwd(g))
+    np.testing.assert_allclose(out[:3], [2.0, 2.0, 2.0])
+    assert out.shape == (4,) and np.isnan(out[3])
+    np.testing.assert_allclose(D.gain_bwd(g, grad_rms_out=0.5), [2.0, 2.0, 2.0, 2.0])
+
+
+def test_tree_norms_match_manual_loop():
+    rng = np.random.default_rng(3)
+    tree = {"attn": {"w": rng.normal(size=(3, 4, 5)), "b": rng.normal(size=(3, 5))},
+            "mlp": [rng.normal(size=(3, 2, 2, 2)), rng.normal(size=(3,))]}
+    leaves = jax.tree_util.tree_leaves(tree)
+    manual = [math.sqrt(sum(float(np.sum(np.square(x[l]))) for x in leaves)) for l in range(3)]
+    np.testing.assert_allclose(D.tree_layer_norms(tree), manual, rtol=1e-5)
+    flat = np.concatenate([np.ravel(x) for x in leaves])
+    assert float(D.tree_norm(tree)) == pytest.approx(np.linalg.norm(flat), rel=1e-5)
+    assert float(D.tree_rms(tree)) == pytest.approx(np.sqrt(np.mean(flat**2)), rel=1e-5)
+    with pytest.raises(ValueError):
+        D.tree_layer_norms({"a": np.ones((3, 2)), "b": np.ones((4, 2))})
+
+
+def _stats(L=2, n=3, seed=0):
+    rng = np.random.default_rng(seed)
+    return {
+        "h_res": _mats(seed, 2 * L, n, positive=True),
+        "h_pre": np.ones((2 * L, n), np.float32),
+        "h_post": np.ones((2 * L, n), np.float32),
+        "rms_in": rng.uniform(0.5, 2, 2 * L).astype(np.float32),
+        "rms_out": rng.uniform(0.5, 2, 2 * L).astype(np.float32),
+        "branch_rms": rng.uniform(0.5, 2, 2 * L).astype(np.float32),
+        "sinkhorn_err": np.zeros(2 * L, np.float32),
+        "attn_logit_max": rng.uniform(size=L).astype(np.float32),
+        "out_logit_max": np.float32(3.0),
+    }
+
+
+def test_layer_metrics_under_jit_matches_eager():
+    stats = _stats()
+    grad_rms = jnp.array([4.0, 3.0, 2.0, 1.0])
+    eager = D.layer_metrics(stats, grad_rms, grad_rms_out=1.0)
+    jitted = jax.jit(D.layer_metrics)(stats, grad_rms, 1.0)
+    expected = {"gain_fwd", "branch_ratio", "amax_fwd", "amax_bwd", "amax_fwd_composite",
+                "amax_bwd_composite", "log_colsum_max", "grad_rms", "gain_bwd",
+                "sinkhorn_err", "attn_logit_max", "out_logit_max"}
+    assert set(eager) == expected == set(jitted)
+    for k in expected:
+        assert jitted[k].dtype == jnp.float32, k
+        np.testing.assert_allclose(jitted[k], eager[k], rtol=1e-6, err_msg=k)
+    for k in ("gain_fwd", "amax_fwd_composite", "log_colsum_max", "gain_bwd"):
+        assert eager[k].shape == (4,), k
+    assert eager["attn_logit_max"].shape == (2,)
+    want = _np_products(stats["h_res"])
+    np.testing.assert_allclose(eager["amax_bwd_composite"], np.abs(want.sum(-2)).max(-1), rtol=1e-5)
+    np.testing.assert_allclose(eager["gain_fwd"], stats["rms_out"] / stats["rms_in"], rtol=1e-6)
+    assert "gain_bwd" not in D.layer_metrics(stats)
+
+
+def test_all_functions_jit_and_bf16_input():
+    h = jnp.asarray(_mats(0, 4, 2), jnp.bfloat16)
+    for fn in (D.amax_fwd, D.amax_bwd, D.composite, D.amax_fwd_composite,
+               D.amax_bwd_composite, D.log_colsum_max):
+        out = jax.jit(fn)(h)
+        assert out.dtype == jnp.float32
+    tree = {"w": jnp.ones((2, 3), jnp.bfloat16)}
+    for fn in (D.tree_layer_norms, D.tree_norm, D.tree_rms):
+        assert jax.jit(fn)(tree).dtype == jnp.float32
+    np.testing.assert_allclose(jax.jit(D.tree_layer_norms)(tree), [math.sqrt(3)] * 2, rtol=1e-6)
+    assert float(jax.jit(D.growth_exponent, static_argnums=2)(1.0, math.e, 1)) == pytest.approx(1.0)
+    assert jax.jit(D.gain_bwd)(jnp.ones(4), 1.0).shape == (4,)
