@@ -1,0 +1,386 @@
+"""The metrics record: an append-only JSONL writer and pandas readers for runs and sweeps.
+
+File format (docs/interfaces.md): one JSON object per line, ``{"step": int, ...}``;
+per-layer metrics are lists. Non-finite floats are written with Python's ``allow_nan``
+extension as the bare tokens ``NaN``, ``Infinity``, ``-Infinity`` and read back as floats by
+:func:`read_jsonl` (and by any Python ``json``); strict JSON parsers (``jq``, browsers)
+reject these tokens. A NaN loss is a result, so it is kept rather than nulled.
+
+Resuming: call :func:`truncate_after` on ``metrics.jsonl`` / ``events.jsonl`` with the
+checkpoint's step *before* opening a :class:`JsonlWriter` on them, so every step appears
+once. Readers still merge records that share a step (later keys win), which also lets a
+trainer write e.g. an eval record and a train record for the same step separately.
+
+Run directory: ``config.yaml``, ``metrics.jsonl``, ``events.jsonl``, ``summary.json``.
+Sweep directory: ``manifest.json`` = ``{"runs": {name: {"status", "overrides", "dir"}}}``
+with ``dir`` relative to the sweep directory, plus one run directory per run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pandas as pd
+
+__all__ = [
+    "JsonlWriter",
+    "to_jsonable",
+    "read_jsonl",
+    "truncate_after",
+    "load_run",
+    "load_events",
+    "load_sweep",
+    "load_summaries",
+    "flatten_dict",
+]
+
+EVENT_COLUMNS = ["step", "kind", "value", "threshold"]
+LONG_COLUMNS = ["step", "metric", "layer", "value"]
+
+
+# =========================================================================== writing
+def _default(o: Any) -> Any:
+    """json ``default`` hook: numpy/jax scalars and arrays -> plain Python (lists)."""
+    if isinstance(o, np.generic) or hasattr(o, "__array__"):
+        a = np.asarray(o)
+        if a.dtype.kind == "V":  # bfloat16 and other ml_dtypes floats
+            a = a.astype(np.float64)
+        if a.dtype.kind == "c":
+            raise TypeError(f"complex values are not JSON-serialisable: {o!r}")
+        return a.tolist()
+    if isinstance(o, Mapping):
+        return dict(o)
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    if isinstance(o, os.PathLike):
+        return os.fspath(o)
+    raise TypeError(f"Object of type {type(o).__name__} is not JSON serialisable")
+
+
+def to_jsonable(record: Any) -> str:
+    """One record as a single JSON line (no trailing newline); NaN/Infinity allowed."""
+    return json.dumps(record, default=_default, allow_nan=True, separators=(",", ":"))
+
+
+def _repair_tail(path: Path) -> None:
+    """Make ``path`` end at a line boundary: a last line without its newline is completed if
+    it is a whole JSON object, otherwise (a write cut short by a kill) removed."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        data = f.read()
+        cut = data.rfind(b"\n") + 1
+        try:
+            complete = isinstance(json.loads(data[cut:]), dict)
+        except ValueError:
+            complete = False
+        if complete:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+        else:
+            f.truncate(cut)
+
+
+class JsonlWriter:
+    """Append-only JSONL writer: one object per line, flushed after every write.
+
+    ``fsync=True`` also forces each line to disk (slower; for runs that may be killed hard).
+    Opening repairs a partial last line left by a killed writer (see :func:`_repair_tail`),
+    so appended records never merge into garbage. Use as a context manager or ``close()``.
+    """
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = False):
+        self.path = Path(path)
+        self.fsync = fsync
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _repair_tail(self.path)
+        self._f = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        line = to_jsonable(dict(record))  # serialise first: a bad record writes nothing
+        self._f.write(line + "\n")
+        self._f.flush()
+        if self.fsync:
+            os.fsync(self._f.fileno())
+
+    def write_many(self, records: Iterable[Mapping[str, Any]]) -> None:
+        for r in records:
+            self.write(r)
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            if self.fsync:
+                os.fsync(self._f.fileno())
+            self._f.close()
+
+    def __enter__(self) -> "JsonlWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# =========================================================================== reading
+def _parse_lines(raw: bytes, path: Path) -> list[tuple[bytes, Any]]:
+    """(line, parsed) for each non-blank line; a bad *last* line is dropped (a write cut
+    short), a bad line anywhere else is corruption and raises ValueError."""
+    lines = [ln for ln in raw.split(b"\n") if ln.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append((line, json.loads(line)))
+        except ValueError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: corrupt JSONL record {i + 1} (not the last line): {e}") from e
+    return out
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """All records of a JSONL file; tolerates a truncated last line (dropped)."""
+    path = Path(path)
+    return [rec for _, rec in _parse_lines(path.read_bytes(), path)]
+
+
+def truncate_after(path: str | os.PathLike, step: int, fsync: bool = True) -> int:
+    """Drop records with ``record["step"] > step`` from a JSONL file, atomically.
+
+    The kept lines are copied byte for byte (order preserved, lines without a ``step``
+    kept) into a temporary file in the same directory, which then replaces the original
+    (``os.replace``); a crash at any point leaves either the old or the new file. A partial
+    last line is dropped. Returns the number of records dropped (0 if the file is missing).
+    Do this before opening a writer on the file: a writer opened earlier keeps appending to
+    the replaced inode.
+    """
+    path = Path(path)
+    if not path.exists():
+        return 0
+    kept, dropped = [], 0
+    for line, rec in _parse_lines(path.read_bytes(), path):
+        if isinstance(rec, dict) and rec.get("step") is not None and rec["step"] > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(b"".join(ln + b"\n" for ln in kept))
+            f.flush()
+            if fsync:
+                os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        try:
+            dfd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+        except OSError:  # directories cannot be fsynced on every platform
+            pass
+    return dropped
+
+
+def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """Nested mappings -> one level with dotted keys (``{"model": {"depth": 4}}`` ->
+    ``{"model.depth": 4}``); lists and other values are kept as they are."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{sep}{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out.update(flatten_dict(v, key, sep))
+        else:
+            out[key] = v
+    return out
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return {}
+    import yaml
+
+    cfg = yaml.safe_load(path.read_text()) or {}
+    return flatten_dict(cfg) if isinstance(cfg, Mapping) else {"config": cfg}
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    return json.loads(path.read_text())
+
+
+def _records_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Merge records per step (later keys win), flatten nested dicts, sort by step."""
+    merged: dict[Any, dict[str, Any]] = {}
+    for rec in records:
+        if not isinstance(rec, dict) or rec.get("step") is None:
+            continue
+        merged.setdefault(rec["step"], {}).update(flatten_dict(rec))
+    return [merged[s] for s in sorted(merged)]
+
+
+def _list_columns(df: pd.DataFrame) -> list[str]:
+    return [c for c in df.columns if df[c].dtype == object and df[c].map(lambda v: isinstance(v, list)).any()]
+
+
+def _to_long(df: pd.DataFrame) -> pd.DataFrame:
+    """Per-layer (list-valued) columns of a wide frame -> rows (step, metric, layer, value)."""
+    steps, metrics, layers, values = [], [], [], []
+    for col in _list_columns(df):
+        for step, v in zip(df["step"].tolist(), df[col].tolist()):
+            if not isinstance(v, list):
+                continue
+            steps += [step] * len(v)
+            metrics += [col] * len(v)
+            layers += range(len(v))
+            values += v
+    try:
+        vals = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError):  # nested lists (e.g. matrices per layer)
+        vals = pd.Series(values, dtype=object)
+    return pd.DataFrame(
+        {
+            "step": np.asarray(steps, dtype=np.int64),
+            "metric": pd.Series(metrics, dtype="str"),
+            "layer": np.asarray(layers, dtype=np.int64),
+            "value": vals,
+        },
+        columns=LONG_COLUMNS,
+    )
+
+
+def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
+    """Metrics of one run as a DataFrame.
+
+    ``long=False``: one row per logged step (sorted), scalar metrics as columns, per-layer
+    metrics as list-valued (object) columns, nested dicts as dotted columns.
+    ``long=True``: only the per-layer metrics, one row per (step, metric, layer) with a
+    float ``value`` column. Either way ``df.attrs`` holds ``config`` (flattened
+    ``config.yaml``, ``{}`` if missing), ``summary`` (``summary.json``) and ``run_dir``.
+    """
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    rows = _records_by_step(read_jsonl(path)) if path.exists() else []
+    df = pd.DataFrame(rows) if rows else pd.DataFrame({"step": pd.Series([], dtype=np.int64)})
+    df = df[["step"] + [c for c in df.columns if c != "step"]]
+    if long:
+        df = _to_long(df)
+    df.attrs = {"config": _read_config(run_dir), "summary": _read_json(run_dir / "summary.json"), "run_dir": str(run_dir)}
+    return df
+
+
+def load_events(run_dir: str | os.PathLike) -> pd.DataFrame:
+    """Events of one run (``events.jsonl``): columns step, kind, value, threshold (+extras),
+    in file order; an empty frame with those columns when there are none."""
+    path = Path(run_dir) / "events.jsonl"
+    records = read_jsonl(path) if path.exists() else []
+    df = pd.DataFrame(records)
+    for c in EVENT_COLUMNS:
+        if c not in df.columns:
+            df[c] = pd.Series(dtype=np.float64 if c in ("value", "threshold") else object)
+    return df[EVENT_COLUMNS + [c for c in df.columns if c not in EVENT_COLUMNS]]
+
+
+# =========================================================================== sweeps
+def _manifest_runs(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+    manifest = _read_json(sweep_dir / "manifest.json")
+    if not manifest:
+        raise FileNotFoundError(f"no manifest.json in {sweep_dir}")
+    runs = manifest.get("runs", {})
+    if isinstance(runs, list):  # tolerate [{"name": ..., ...}]
+        runs = {r["name"]: r for r in runs}
+    return runs
+
+
+def _axis_names(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    axes: dict[str, None] = {}
+    for info in runs.values():
+        for k in info.get("overrides") or {}:
+            axes[k] = None
+    return list(axes)
+
+
+def _put_axes(df: pd.DataFrame, name: str, overrides: Mapping[str, Any], axis_cols: Mapping[str, str]) -> pd.DataFrame:
+    front: dict[str, Any] = {"run": name}
+    for key, col in axis_cols.items():
+        v = overrides.get(key)
+        front[col] = [v] * len(df) if isinstance(v, (list, dict, tuple)) else v
+    head = pd.DataFrame(front, index=df.index) if len(df) else pd.DataFrame({c: [] for c in front})
+    return pd.concat([head, df.drop(columns=[c for c in front if c in df.columns])], axis=1)
+
+
+def load_sweep(sweep_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
+    """All runs of a sweep in one frame: :func:`load_run` of each run in the manifest, with a
+    ``run`` column and one column per override key (the sweep axes) in front.
+
+    Runs whose ``metrics.jsonl`` is missing or empty are skipped. An override key that is
+    also a metric name (say ``lr``) gets the column ``override.<key>``; ``df.attrs["axes"]``
+    maps override keys to their columns and ``df.attrs["runs"]`` holds each loaded run's
+    ``config``/``summary``/``status``.
+    """
+    sweep_dir = Path(sweep_dir)
+    runs = _manifest_runs(sweep_dir)
+    frames: dict[str, pd.DataFrame] = {}
+    for name, info in runs.items():
+        rdir = sweep_dir / (info.get("dir") or name)
+        if not (rdir / "metrics.jsonl").exists():
+            continue
+        df = load_run(rdir, long=long)
+        if len(df):
+            frames[name] = df
+    taken = {"run"} | {c for df in frames.values() for c in df.columns}
+    axis_cols = {k: (f"override.{k}" if k in taken else k) for k in _axis_names(runs)}
+    parts, meta = [], {}
+    for name, df in frames.items():
+        meta[name] = {**df.attrs, "status": runs[name].get("status")}
+        parts.append(_put_axes(df, name, runs[name].get("overrides") or {}, axis_cols))
+    if parts:
+        out = pd.concat(parts, ignore_index=True)
+    else:
+        base = LONG_COLUMNS if long else ["step"]
+        out = pd.DataFrame(columns=["run", *axis_cols.values(), *base])
+    out.attrs = {"axes": axis_cols, "runs": meta, "sweep_dir": str(sweep_dir)}
+    return out
+
+
+def load_summaries(sweep_dir: str | os.PathLike) -> pd.DataFrame:
+    """One row per run in the manifest: ``run``, ``status``, the override columns, then the
+    flattened ``summary.json`` fields (missing summary -> NaN). A summary key that clashes
+    with those front columns is prefixed ``summary.``."""
+    sweep_dir = Path(sweep_dir)
+    runs = _manifest_runs(sweep_dir)
+    axes = _axis_names(runs)
+    front = ["run", "status", *axes]
+    rows = []
+    for name, info in runs.items():
+        overrides = info.get("overrides") or {}
+        row: dict[str, Any] = {"run": name, "status": info.get("status")}
+        row.update({k: overrides.get(k) for k in axes})
+        summary = flatten_dict(_read_json(sweep_dir / (info.get("dir") or name) / "summary.json"))
+        row.update({(f"summary.{k}" if k in front else k): v for k, v in summary.items()})
+        rows.append(row)
+    df = pd.DataFrame(rows) if rows else pd.DataFrame(columns=front)
+    df.attrs = {"axes": {k: k for k in axes}, "sweep_dir": str(sweep_dir)}
+    return df
