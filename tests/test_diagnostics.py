@@ -97,10 +97,12 @@ def test_tree_norms_match_manual_loop():
             "mlp": [rng.normal(size=(3, 2, 2, 2)), rng.normal(size=(3,))]}
     leaves = jax.tree_util.tree_leaves(tree)
     manual = [math.sqrt(sum(float(np.sum(np.square(x[l]))) for x in leaves)) for l in range(3)]
-    np.testing.assert_allclose(D.tree_layer_norms(tree), manual, rtol=1e-5)
+    norms = jax.jit(lambda t: (D.tree_layer_norms(t), D.tree_norm(t), D.tree_rms(t)))
+    per_layer, total, rms = norms(tree)
+    np.testing.assert_allclose(per_layer, manual, rtol=1e-5)
     flat = np.concatenate([np.ravel(x) for x in leaves])
-    assert float(D.tree_norm(tree)) == pytest.approx(np.linalg.norm(flat), rel=1e-5)
-    assert float(D.tree_rms(tree)) == pytest.approx(np.sqrt(np.mean(flat**2)), rel=1e-5)
+    assert float(total) == pytest.approx(np.linalg.norm(flat), rel=1e-5)
+    assert float(rms) == pytest.approx(np.sqrt(np.mean(flat**2)), rel=1e-5)
     with pytest.raises(ValueError):
         D.tree_layer_norms({"a": np.ones((3, 2)), "b": np.ones((4, 2))})
 
@@ -143,13 +145,17 @@ def test_layer_metrics_under_jit_matches_eager():
 
 def test_all_functions_jit_and_bf16_input():
     h = jnp.asarray(_mats(0, 4, 2), jnp.bfloat16)
-    for fn in (D.amax_fwd, D.amax_bwd, D.composite, D.amax_fwd_composite,
-               D.amax_bwd_composite, D.log_colsum_max):
-        out = jax.jit(fn)(h)
-        assert out.dtype == jnp.float32
     tree = {"w": jnp.ones((2, 3), jnp.bfloat16)}
-    for fn in (D.tree_layer_norms, D.tree_norm, D.tree_rms):
-        assert jax.jit(fn)(tree).dtype == jnp.float32
-    np.testing.assert_allclose(jax.jit(D.tree_layer_norms)(tree), [math.sqrt(3)] * 2, rtol=1e-6)
-    assert float(jax.jit(D.growth_exponent, static_argnums=2)(1.0, math.e, 1)) == pytest.approx(1.0)
-    assert jax.jit(D.gain_bwd)(jnp.ones(4), 1.0).shape == (4,)
+
+    @jax.jit
+    def everything(h, tree):
+        mats = [fn(h) for fn in (D.amax_fwd, D.amax_bwd, D.composite, D.amax_fwd_composite,
+                                 D.amax_bwd_composite, D.log_colsum_max)]
+        trees = [fn(tree) for fn in (D.tree_layer_norms, D.tree_norm, D.tree_rms)]
+        return mats, trees, D.growth_exponent(1.0, jnp.e, 1), D.gain_bwd(jnp.ones(4), 1.0)
+
+    mats, trees, growth, gb = everything(h, tree)
+    assert all(x.dtype == jnp.float32 for x in mats + trees)
+    np.testing.assert_allclose(trees[0], [math.sqrt(3)] * 2, rtol=1e-6)
+    assert float(growth) == pytest.approx(1.0)
+    assert gb.shape == (4,)
