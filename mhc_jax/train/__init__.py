@@ -1,0 +1,1 @@
+"""Training: config, optimiser, state, sharding (mesh + logical axis rules), step, loop, checkpoints."""
