@@ -1,0 +1,51 @@
+"""Registry of residual mixers: ``get(name, **options)`` and ``names()``.
+
+A new mixer is one file plus one line in ``_REGISTRY``; ``mhc_jax.testing`` then checks it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from mhc_jax.mixers.base import STAT_KEYS, Collapse, Mixer
+from mhc_jax.mixers.hc import HyperConnection
+from mhc_jax.mixers.mhc import ManifoldHyperConnection
+from mhc_jax.mixers.mhc_lite import MHCLite
+from mhc_jax.mixers.residual import Residual
+
+_REGISTRY: dict[str, type[Mixer]] = {
+    "residual": Residual,
+    "hc": HyperConnection,
+    "mhc": ManifoldHyperConnection,
+    "mhc_lite": MHCLite,
+}
+# Options that only shape the model around the mixer (handled by the model, not the mixer).
+MODEL_OPTIONS = ("collapse",)
+
+
+def names() -> list[str]:
+  return list(_REGISTRY)
+
+
+def options(name: str) -> list[str]:
+  """The option names a mixer accepts (its dataclass fields, minus Flax internals)."""
+  cls = _cls(name)
+  return [f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name")]
+
+
+def _cls(name: str) -> type[Mixer]:
+  if name not in _REGISTRY:
+    raise ValueError(f"mixer: unknown name {name!r}; known: {', '.join(names())}")
+  return _REGISTRY[name]
+
+
+def get(name: str, **opts) -> Mixer:
+  """An (unbound) mixer module; unknown options raise ``ValueError`` naming them."""
+  cls = _cls(name)
+  opts = {k: v for k, v in opts.items() if k not in MODEL_OPTIONS}
+  bad = sorted(set(opts) - set(options(name)))
+  if bad:
+    raise ValueError(f"mixer {name!r}: unknown option(s) {bad}; accepted: {options(name)}")
+  return cls(**opts)
+
+
+__all__ = ["STAT_KEYS", "Collapse", "Mixer", "get", "names", "options"]

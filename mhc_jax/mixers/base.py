@@ -1,0 +1,104 @@
+"""The residual-mixer contract, shared helpers and the stream collapse.
+
+A mixer owns the residual stream between sublayers. Its state is ``n`` parallel streams,
+``x_BTnC`` (batch, time, streams, channels); a plain residual is ``n = 1``.
+
+- ``expand(x_BTC) -> x_BTnC``: copy the embedding into the ``n`` streams (no parameters);
+- ``__call__(x_BTnC, sublayer, layer) -> (x_BTnC, stats)``: one mixer layer
+  ``x' = H_res x + H_postᵀ F(H_pre x)`` where ``F = sublayer`` (norm + attention or MLP);
+- ``Collapse(n, kind)``: the streams back to one before the final norm (sum, or learned).
+
+``stats`` is a dict of fixed-shape float32 arrays (docs/interfaces.md): ``h_res [n,n]``,
+``h_pre [n]``, ``h_post [n]`` token-averaged, ``rms_in``, ``rms_out``, ``branch_rms`` and
+``sinkhorn_err`` scalars. ``layer`` is the mixer-layer index (2·block for attention, 2·block+1
+for the MLP); it may be traced (under ``nn.scan``) and is only used by initialisers.
+"""
+from __future__ import annotations
+
+from typing import Callable, ClassVar
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Sublayer = Callable[[jax.Array], jax.Array]
+STAT_KEYS = ("h_res", "h_pre", "h_post", "rms_in", "rms_out", "branch_rms", "sinkhorn_err")
+
+
+def rms(x: jax.Array) -> jax.Array:
+  """Root mean square over all elements, in float32."""
+  x = x.astype(jnp.float32)
+  return jnp.sqrt(jnp.mean(jnp.square(x)))
+
+
+def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """Parameter-free RMS normalisation over the last axis, in float32."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def token_mean(a: jax.Array, lead: int) -> jax.Array:
+  """Average the first ``lead`` (token) axes of a coefficient array."""
+  return jnp.mean(a.astype(jnp.float32), axis=tuple(range(lead))) if lead else a.astype(jnp.float32)
+
+
+def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> dict:
+  """The per-call stats dict; coefficients may carry leading token axes (averaged here)."""
+  n = x_in.shape[-2]
+  lead_res, lead_vec = h_res.ndim - 2, h_pre.ndim - 1
+  return {
+      "h_res": token_mean(jnp.broadcast_to(h_res, h_res.shape[:lead_res] + (n, n)), lead_res),
+      "h_pre": token_mean(h_pre, lead_vec),
+      "h_post": token_mean(h_post, h_post.ndim - 1),
+      "rms_in": rms(x_in),
+      "rms_out": rms(x_out),
+      "branch_rms": rms(f_out),
+      "sinkhorn_err": jnp.zeros((), jnp.float32) if sinkhorn_err is None
+                      else jnp.asarray(sinkhorn_err, jnp.float32),
+  }
+
+
+def mix(x_BTnC, f_BTC, h_res, h_post):
+  """``x' = H_res x + H_postᵀ F``; ``h_res [..., n, n]`` and ``h_post [..., n]`` may be per token."""
+  dt = x_BTnC.dtype
+  x = x_BTnC.astype(jnp.float32)
+  res = jnp.einsum("...ij,...jc->...ic", h_res.astype(jnp.float32), x)
+  out = res + h_post.astype(jnp.float32)[..., :, None] * f_BTC.astype(jnp.float32)[..., None, :]
+  return out.astype(dt)
+
+
+def read(x_BTnC, h_pre):
+  """The sublayer input ``H_pre x``: a weighted sum of the streams, ``h_pre [..., n]``."""
+  x = x_BTnC.astype(jnp.float32)
+  return jnp.einsum("...i,...ic->...c", h_pre.astype(jnp.float32), x).astype(x_BTnC.dtype)
+
+
+class Mixer(nn.Module):
+  """Base class: ``n`` streams, param-free expand. Subclasses implement ``__call__``."""
+
+  n: int = 1
+  # Invariant a mixer claims for its H_res; mhc_jax.testing checks it under random parameters.
+  doubly_stochastic: ClassVar[bool] = False
+
+  def expand(self, x_BTC: jax.Array) -> jax.Array:
+    return jnp.broadcast_to(x_BTC[..., None, :], x_BTC.shape[:-1] + (self.n, x_BTC.shape[-1]))
+
+  def collapse_sum(self, x_BTnC: jax.Array) -> jax.Array:
+    return x_BTnC.sum(axis=-2)
+
+
+class Collapse(nn.Module):
+  """Streams -> one: ``sum`` (HC/mHC papers) or ``learned`` weights (initialised to ones)."""
+
+  n: int = 1
+  kind: str = "sum"
+
+  @nn.compact
+  def __call__(self, x_BTnC: jax.Array) -> jax.Array:
+    if self.kind == "sum" or self.n == 1:
+      return x_BTnC.sum(axis=-2)
+    if self.kind != "learned":
+      raise ValueError(f"collapse: expected 'sum' or 'learned', got {self.kind!r}")
+    w = self.param("b_collapse", nn.with_logical_partitioning(nn.initializers.ones, ("streams",)),
+                   (self.n,), jnp.float32)
+    return jnp.einsum("i,...ic->...c", w, x_BTnC.astype(jnp.float32)).astype(x_BTnC.dtype)

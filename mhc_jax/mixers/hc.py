@@ -1,0 +1,52 @@
+"""Hyper-Connections (Zhu et al., arXiv:2409.19606): n streams, unconstrained mixing.
+
+Layer: ``x' = A_rᵀ x + Bᵀ F(A_mᵀ x)`` with read weights ``A_m [n]``, stream mixing
+``A_r [n, n]`` and write weights ``B [n]``. Static HC learns the three directly; dynamic HC adds
+per-stream, input-dependent terms from ``x̄ = norm(x)``:
+``A_m(x) = s_α tanh(x̄ w_m) + A_m``, ``A_r(x) = s_α tanh(x̄ W_r) + A_r``,
+``B(x) = s_β tanh(x̄ w_b) + B``.
+Initialisation (``W = 0``, ``B = 1``, ``A_m = e_{layer mod n}``, ``A_r = I``, ``s = 0.01``)
+makes every stream equal a pre-norm residual at step 0. In the contract's terms
+``h_pre = A_m``, ``h_post = B``, ``h_res = A_rᵀ``. Static parts are named ``b_*`` (no decay).
+"""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mhc_jax.mixers.base import Mixer, make_stats, mix, read, rms_norm
+
+
+def _param(mod, name, init, shape, axes):
+  return mod.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+class HyperConnection(Mixer):
+  n: int = 4
+  dynamic: bool = True
+  alpha_init: float = 0.01
+
+  @nn.compact
+  def __call__(self, x_BTnC, sublayer, layer=0):
+    n, c = x_BTnC.shape[-2:]
+    if n != self.n:
+      raise ValueError(f"hc: configured for n={self.n} streams, got state with n={n}")
+    a_m = _param(self, "b_read", lambda k, s, d: jax.nn.one_hot(layer % n, n, dtype=d), (n,),
+                 ("streams",))
+    a_r = _param(self, "b_mix", lambda k, s, d: jnp.eye(n, dtype=d), (n, n), ("streams", None))
+    b = _param(self, "b_write", nn.initializers.ones, (n,), ("streams",))
+    if self.dynamic:
+      xn = rms_norm(x_BTnC)                                             # [B,T,n,C]
+      zeros = nn.initializers.zeros
+      w_m = _param(self, "w_read", zeros, (c,), ("embed",))
+      w_r = _param(self, "w_mix", zeros, (c, n), ("embed", "streams"))
+      w_b = _param(self, "w_write", zeros, (c,), ("embed",))
+      const = nn.initializers.constant(self.alpha_init)
+      s_a = _param(self, "s_alpha", const, (), ())
+      s_b = _param(self, "s_beta", const, (), ())
+      a_m = s_a * jnp.tanh(xn @ w_m) + a_m                               # [B,T,n]
+      a_r = s_a * jnp.tanh(xn @ w_r) + a_r                               # [B,T,n,n]
+      b = s_b * jnp.tanh(xn @ w_b) + b                                   # [B,T,n]
+    h_res = jnp.swapaxes(a_r, -1, -2)
+    f_BTC = sublayer(read(x_BTnC, a_m))
+    out = mix(x_BTnC, f_BTC, h_res, b)
+    return out, make_stats(x_BTnC, out, f_BTC, h_res, a_m, b)

@@ -1,0 +1,136 @@
+"""Contract checks any residual mixer can be put through (used by tests/test_mixers.py).
+
+A new mixer is checked by adding its registry line: the test suite runs every function here
+over every registered name. Each check raises ``AssertionError`` (via chex) on a violation.
+
+- ``check_shapes``: state shape/dtype preserved, stats keys and shapes as in the contract;
+- ``check_transforms``: ``jax.jit``, ``jax.vmap`` and ``jax.grad`` work and jit == no-jit;
+- ``check_finite_grads``: finite gradients w.r.t. parameters and inputs (fp32 and bf16);
+- ``check_invariants``: a mixer that claims ``doubly_stochastic`` keeps every per-token and
+  token-averaged ``H_res`` doubly stochastic after random perturbation of all its parameters.
+"""
+from __future__ import annotations
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mhc_jax import mixers
+from mhc_jax.mixers.base import STAT_KEYS, rms_norm
+
+B, T, C = 2, 5, 8
+
+
+def sublayer_fn(key, c: int = C):
+  """A fixed, nonlinear stand-in for ``norm + attention/MLP``: ``tanh(norm(x) W)``."""
+  w = jax.random.normal(key, (c, c)) / jnp.sqrt(c)
+  return lambda x: jnp.tanh(rms_norm(x) @ w).astype(x.dtype)
+
+
+def default_n(name: str) -> int:
+  return 1 if name == "residual" else 4
+
+
+def setup(name: str, n: int | None = None, dtype=jnp.float32, seed: int = 0, **opts):
+  """(mixer, params, x_BTnC, sublayer, apply) for a small random state."""
+  n = default_n(name) if n is None else n
+  mixer = mixers.get(name, n=n, **opts)
+  k_x, k_f, k_p = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x_BTnC = jax.random.normal(k_x, (B, T, n, C)).astype(dtype)
+  f = sublayer_fn(k_f)
+  params = nn.meta.unbox(mixer.init(k_p, x_BTnC, f, 0))
+
+  def apply(p, x, layer=0):
+    return mixer.apply(p, x, f, layer)
+
+  return mixer, params, x_BTnC, f, apply
+
+
+def check_shapes(name: str, dtype=jnp.float32, **opts) -> None:
+  mixer, params, x, _, apply = setup(name, dtype=dtype, **opts)
+  n = x.shape[-2]
+  out, stats = apply(params, x)
+  chex.assert_shape(out, x.shape)
+  chex.assert_type(out, dtype)
+  assert set(stats) == set(STAT_KEYS), f"{name}: stats keys {sorted(stats)} != {sorted(STAT_KEYS)}"
+  chex.assert_shape([stats["h_res"], stats["h_pre"], stats["h_post"]], [(n, n), (n,), (n,)])
+  for k in ("rms_in", "rms_out", "branch_rms", "sinkhorn_err"):
+    chex.assert_shape(stats[k], ())
+  chex.assert_type(list(stats.values()), jnp.float32)
+  chex.assert_shape(mixer.expand(x[..., 0, :]), x.shape)
+
+
+def check_transforms(name: str, variant=jax.jit, **opts) -> None:
+  """``variant(apply)`` equals plain apply; vmap over a leading batch of states and grads work."""
+  _, params, x, _, apply = setup(name, **opts)
+  ref = apply(params, x)
+  got = variant(apply)(params, x)
+  chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
+  xs = jnp.stack([x, 2.0 * x])
+  out_v, _ = jax.vmap(apply, in_axes=(None, 0))(params, xs)
+  chex.assert_trees_all_close(out_v[0], ref[0], rtol=1e-5, atol=1e-5)
+  g = variant(jax.grad(lambda p: jnp.sum(apply(p, x)[0] ** 2)))(params)
+  chex.assert_trees_all_equal_structs(g, params)
+
+
+def check_finite_grads(name: str, dtype=jnp.float32, **opts) -> None:
+  _, params, x, _, apply = setup(name, dtype=dtype, **opts)
+
+  def loss(p, x):
+    out, stats = apply(p, x)
+    return jnp.mean(out.astype(jnp.float32) ** 2) + stats["rms_out"]
+
+  gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+  chex.assert_tree_all_finite((gp, gx))
+  norms = [float(jnp.linalg.norm(l.astype(jnp.float32))) for l in jax.tree.leaves(gx)]
+  assert max(norms) > 0, f"{name}: input gradient is identically zero"
+
+
+def perturb(params, key, scale: float = 1.0):
+  """Every parameter plus N(0, scale²) noise: a state far from initialisation."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(tree, [l + scale * jax.random.normal(k, l.shape, l.dtype)
+                                   for l, k in zip(leaves, keys)])
+
+
+def per_token_h_res(mixer, params, x, f):
+  """Per-token H_res of one call: each token applied as its own batch of one."""
+  tokens = x.reshape((-1, 1, 1) + x.shape[-2:])
+  return jax.vmap(lambda t: mixer.apply(params, t, f, 0)[1]["h_res"])(tokens)
+
+
+def check_invariants(name: str, seeds=(1, 2, 3), scale: float = 0.5, **opts) -> None:
+  """Doubly stochastic H_res (per token and averaged) under random parameter perturbations.
+
+  Rows must be exact (the projection ends on a row step); the column error must be no larger
+  than the ``sinkhorn_err`` the mixer reports, and must fall below 1e-3 when the mixer is given
+  enough Sinkhorn iterations (truncation error, not a broken projection).
+  """
+  probe = mixers.get(name, **({"n": default_n(name)} | opts))
+  if not type(probe).doubly_stochastic:
+    return
+  iter_opts = [opts]
+  if "sinkhorn_iters" in mixers.options(name):
+    iter_opts.append(opts | {"sinkhorn_iters": 1000})
+  for o in iter_opts:
+    mixer, params, x, f, _ = setup(name, **o)
+
+    @jax.jit
+    def run(p, x):
+      return per_token_h_res(mixer, p, x, f), mixer.apply(p, x, f, 0)[1]
+
+    for seed in seeds:
+      k_x, k_p = jax.random.split(jax.random.PRNGKey(100 + seed))
+      p = perturb(params, k_p, scale=scale)
+      h_tok, stats = run(p, jax.random.normal(k_x, x.shape, x.dtype))
+      err = float(stats["sinkhorn_err"])
+      for h in (h_tok, stats["h_res"]):
+        assert bool(jnp.all(h >= -1e-7)), f"{name}: H_res has negative entries"
+        row = float(jnp.max(jnp.abs(h.sum(-1) - 1)))
+        col = float(jnp.max(jnp.abs(h.sum(-2) - 1)))
+        assert row < 1e-5, f"{name}: row sums off by {row:.2e}"
+        assert col <= err + 1e-5, f"{name}: column error {col:.2e} > reported {err:.2e}"
+        if o.get("sinkhorn_iters", 0) >= 1000 or "sinkhorn_iters" not in mixers.options(name):
+          assert col < 1e-3, f"{name}: column error {col:.2e} with {o}"

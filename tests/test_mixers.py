@@ -1,0 +1,124 @@
+"""Mixer contract (mhc_jax.testing) over every registered mixer, plus each family's own claims."""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from absl.testing import parameterized
+
+from mhc_jax import mixers, testing
+from mhc_jax.mixers.base import Collapse
+
+NAMES = mixers.names()
+
+
+class ContractTest(parameterized.TestCase):
+  """chex.variants: jit and no-jit must agree for every mixer."""
+
+  @chex.variants(with_jit=True, without_jit=True)
+  @parameterized.parameters(*NAMES)
+  def test_transforms(self, name):
+    testing.check_transforms(name, variant=self.variant)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_shapes_and_finite_grads(name, dtype):
+  testing.check_shapes(name, dtype=dtype)
+  testing.check_finite_grads(name, dtype=dtype)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_invariants_under_perturbation(name):
+  testing.check_invariants(name)
+
+
+def test_static_variants_pass_contract():
+  for name in ("hc", "mhc", "mhc_lite"):
+    testing.check_shapes(name, dynamic=False)
+    testing.check_invariants(name, dynamic=False, seeds=(1,))
+
+
+def test_mhc_implicit_grad_mode_passes_contract():
+  testing.check_finite_grads("mhc", sinkhorn_grad="implicit")
+
+
+def test_residual_is_x_plus_f():
+  _, params, x, f, apply = testing.setup("residual")
+  out, stats = apply(params, x)
+  chex.assert_trees_all_close(out[..., 0, :], x[..., 0, :] + f(x[..., 0, :]), atol=0, rtol=0)
+  np.testing.assert_array_equal(stats["h_res"], np.eye(1))
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("layer", [0, 1, 6])
+def test_hc_at_init_equals_residual_in_every_stream(dynamic, layer):
+  """HC paper: with A_r = I, B = 1, A_m one-hot and W = 0, each stream is a pre-norm residual."""
+  hc = mixers.get("hc", n=4, dynamic=dynamic)
+  k_h, k_f = jax.random.split(jax.random.PRNGKey(3))
+  h_BTC = jax.random.normal(k_h, (2, 5, testing.C))
+  f = testing.sublayer_fn(k_f)
+  state = hc.expand(h_BTC)
+  params = hc.init(jax.random.PRNGKey(0), state, f, layer)
+  out, stats = hc.apply(params, state, f, layer)
+  want = h_BTC + f(h_BTC)
+  for i in range(4):
+    chex.assert_trees_all_close(out[..., i, :], want, atol=1e-6)
+  np.testing.assert_allclose(stats["h_pre"], np.eye(4)[layer % 4], atol=1e-6)
+
+
+def _h_res_at_init(name, init, n=4):
+  _, params, x, _, apply = testing.setup(name, n=n, h_res_init=init)
+  return np.asarray(apply(params, x)[1]["h_res"])
+
+
+@pytest.mark.parametrize("name", ["mhc", "mhc_lite"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_h_res_init(name, n):
+  ident = _h_res_at_init(name, "identity", n)
+  assert np.all(np.diag(ident) >= 0.9), np.diag(ident)
+  unif = _h_res_at_init(name, "uniform", n)
+  np.testing.assert_allclose(unif, np.full((n, n), 1.0 / n), atol=1e-3)
+
+
+def test_mhc_coefficient_ranges():
+  """H_pre = σ(·) in (0, 1), H_post = 2σ(·) in (0, 2), at init σ(0): 0.5 and 1."""
+  _, params, x, _, apply = testing.setup("mhc", seed=1)
+  stats = apply(testing.perturb(params, jax.random.PRNGKey(9), 3.0), x)[1]
+  assert np.all((stats["h_pre"] > 0) & (stats["h_pre"] < 1))
+  assert np.all((stats["h_post"] > 0) & (stats["h_post"] < 2))
+  stats0 = apply(params, x)[1]
+  np.testing.assert_allclose(stats0["h_pre"], 0.5, atol=0.02)
+  np.testing.assert_allclose(stats0["h_post"], 1.0, atol=0.04)
+
+
+def test_mhc_lite_permutations_and_limit():
+  from mhc_jax.mixers.mhc_lite import permutation_matrices
+  p = permutation_matrices(4)
+  assert p.shape == (24, 4, 4)
+  np.testing.assert_array_equal(p[0], np.eye(4))
+  assert len({m.tobytes() for m in p}) == 24
+  with pytest.raises(ValueError, match="n <= 6"):
+    testing.setup("mhc_lite", n=7)
+
+
+def test_collapse():
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 3, 4, 8))
+  summed = x.sum(-2)
+  for kind in ("sum", "learned"):
+    mod = Collapse(n=4, kind=kind)
+    params = mod.init(jax.random.PRNGKey(1), x)
+    chex.assert_trees_all_close(mod.apply(params, x), summed, atol=1e-6)
+  assert "b_collapse" in Collapse(n=4, kind="learned").init(jax.random.PRNGKey(1), x)["params"]
+  with pytest.raises(ValueError, match="collapse"):
+    Collapse(n=4, kind="max").init(jax.random.PRNGKey(1), x)
+
+
+def test_registry_errors():
+  assert set(NAMES) >= {"residual", "hc", "mhc", "mhc_lite"}
+  with pytest.raises(ValueError, match="unknown name 'hcc'"):
+    mixers.get("hcc")
+  with pytest.raises(ValueError, match="streams_n"):
+    mixers.get("mhc", streams_n=4)
+  with pytest.raises(ValueError, match="n=4"):
+    testing.setup("mhc", n=2)[0].apply({}, jnp.zeros((1, 1, 4, 8)), lambda x: x)
