@@ -1,0 +1,375 @@
+"""Bayesian wind tunnels: tasks generated on the fly whose exact posterior is known.
+
+Every sequence is a fresh problem drawn from a PRNG key (a new permutation, a new HMM), so a model
+cannot memorise answers; it has to infer them in context. `sample(key, batch_size)` is a pure,
+jittable function; `batch(step, batch_size, split)` derives the key from `(seed, split, step)`, so
+batch `step` is reproducible without any iterator state (that is how checkpoints resume data).
+
+A batch is a dict (see docs/interfaces.md):
+
+- `inputs [B,T] int32`, `targets [B,T] int32`: next-token views of one sequence of T+1 tokens
+  (`inputs = tokens[:-1]`, `targets = tokens[1:]`).
+- `mask [B,T] float32`: 1 at supervised positions.
+- `posterior [B,T,V] float32`: exact posterior over the whole vocabulary for `targets[t]` given
+  `inputs[..t]`; zeros outside the answer range and at unsupervised positions.
+- `entropy [B,T] float32`: entropy of `posterior` in bits (0 where `mask` is 0).
+- `evidence [B,T] int32`: how much evidence has been seen at a supervised position (task-specific,
+  below; 0 at unsupervised positions); the fidelity metrics can be reported as curves over it.
+- HMM only: `state_posterior [B,T,S] float32`, the filtered posterior `p(s_t | o_1..t)` after the
+  observation at that position (uniform initial distribution at the separator).
+
+Bijection layout (V = n_symbols): keys are tokens `0..V-1`, values `V..2V-1`, then BOS = 2V,
+PAD = 2V+1. Sequence `BOS k1 v1 k2 v2 ... PAD...`; the supervised positions are the keys (the model
+sees `k_i` and predicts `v_i = V + π(k_i)`). The posterior is a point mass if `k_i` appeared
+before, else uniform over the V - m values not yet revealed, m = number of distinct keys revealed
+so far (= `evidence`).
+
+HMM layout (S states, K symbols, Q levels): observation tokens `0..K-1`, level tokens `K..K+Q-1`
+(level `l` in 1..Q is token `K + l - 1`), then BOS, SEP, PAD. Sequence
+`BOS T_11..T_SS E_11..E_SK SEP o_1 ... o_L PAD...`: the header writes the transition matrix T and
+the emission matrix E row-major as levels; the HMM actually used is `T_ij = l_ij / sum_j l_ij`
+(likewise E), with levels `clip(round(Q p), 1, Q)` of Dirichlet(alpha) rows, and a uniform initial
+state distribution. Supervised positions are SEP and each observation except the last, with
+target the next observation; the posterior there is the posterior predictive
+`p(o_{t+1} | header, o_1..t)` (forward algorithm in log space), a distribution over the K
+observation tokens, and `evidence` = t, the number of observations seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SPLITS = {"train": 0, "validation": 1, "test": 2}
+
+_LN2 = math.log(2.0)
+_SAMPLER_CACHE: dict = {}
+
+
+def split_id(split: str) -> int:
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
+    return SPLITS[split]
+
+
+def entropy_bits(p: jax.Array, axis: int = -1) -> jax.Array:
+    """Entropy in bits of distributions along `axis` (0 log 0 = 0)."""
+    p = p.astype(jnp.float32)
+    return jnp.maximum(-jnp.sum(jax.scipy.special.xlogy(p, p), axis=axis) / _LN2, 0.0)
+
+
+class WindTunnel:
+    """Common `batch` machinery; subclasses define `sample(key, batch_size)`."""
+
+    has_posterior = True
+    vocab_size: int
+    seq_len: int
+    seed: int
+
+    def _init_jit(self) -> None:
+        # One compiled sampler per task configuration (the seed only enters through the key), so
+        # fresh source objects with equal options (resumes, evals, tests) do not recompile.
+        fields = tuple(
+            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "seed"
+        )
+        cache_key = (type(self), fields)
+        if cache_key not in _SAMPLER_CACHE:
+            _SAMPLER_CACHE[cache_key] = jax.jit(self.sample, static_argnums=1)
+        self._sample_jit = _SAMPLER_CACHE[cache_key]
+
+    def key_for(self, step: int, split: str = "train") -> jax.Array:
+        """The PRNG key of batch `step` of `split`: fold_in(fold_in(key(seed), split), step)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        k = jax.random.key(self.seed)
+        k = jax.random.fold_in(k, split_id(split))
+        return jax.random.fold_in(k, step)
+
+    def batch(self, step: int, batch_size: int, split: str = "train") -> dict[str, jax.Array]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        return self._sample_jit(self.key_for(step, split), int(batch_size))
+
+    def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:  # pragma: no cover
+        raise NotImplementedError
+
+
+def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"option {name!r} must be an integer, got {value!r}")
+    value = int(value)
+    if value < lo or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"option {name!r} must be {rng}, got {value}")
+    return value
+
+
+# ----------------------------------------------------------------------------------------------
+# Bijection elimination
+# ----------------------------------------------------------------------------------------------
+
+
+def bijection_posterior(keys: jax.Array, values: jax.Array, n_symbols: int):
+    """Exact posterior over π(k_i) given pairs j < i, for one sequence.
+
+    keys, values: [N] int (values in 0..V-1). Returns (posterior [N, V], evidence [N]) where
+    evidence is the number of distinct values revealed before pair i.
+    """
+    V = n_symbols
+    onehot = jax.nn.one_hot(values, V, dtype=jnp.float32)  # [N, V]
+    revealed = (jnp.cumsum(onehot, axis=0) - onehot) > 0  # exclusive: pairs j < i
+    m = jnp.sum(revealed, axis=-1)  # distinct values (= distinct keys) revealed
+    seen = jnp.take_along_axis(revealed, values[:, None], axis=-1)[:, 0]
+    uniform = jnp.where(revealed, 0.0, 1.0) / jnp.maximum(V - m, 1)[:, None]
+    post = jnp.where(seen[:, None], onehot, uniform)
+    return post.astype(jnp.float32), m.astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class BijectionTask(WindTunnel):
+    """Key -> value lookups under a fresh random permutation per sequence.
+
+    Options: `n_symbols` V (default 20), `n_pairs` (default seq_len // 2; at most seq_len // 2,
+    and at most V without replacement), `replacement` (keys drawn with replacement, default True:
+    repeated keys make the entropy depend on history rather than position).
+    """
+
+    seq_len: int
+    seed: int
+    n_symbols: int = 20
+    n_pairs: int | None = None
+    replacement: bool = True
+
+    def __post_init__(self):
+        self.seq_len = _check_int("seq_len", self.seq_len, 2)
+        self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
+        if not isinstance(self.replacement, bool):
+            raise ValueError(f"option 'replacement' must be a bool, got {self.replacement!r}")
+        max_pairs = self.seq_len // 2
+        if not self.replacement:
+            max_pairs = min(max_pairs, self.n_symbols)
+        if self.n_pairs is None:
+            self.n_pairs = max_pairs
+        self.n_pairs = _check_int("n_pairs", self.n_pairs, 1, max_pairs)
+        V = self.n_symbols
+        self.bos, self.pad = 2 * V, 2 * V + 1
+        self.vocab_size = 2 * V + 2
+        self._init_jit()
+
+    def sample_one(self, key: jax.Array) -> dict[str, jax.Array]:
+        V, N, T = self.n_symbols, self.n_pairs, self.seq_len
+        # one draw of random bits for everything (cheap to compile): the permutation and the key
+        # order are argsorts of 32-bit random words, keys with replacement are words mod V
+        bits = jax.random.bits(key, (2 * V + N,), jnp.uint32)
+        perm = jnp.argsort(bits[:V]).astype(jnp.int32)
+        if self.replacement:
+            keys = (bits[2 * V :] % V).astype(jnp.int32)
+        else:
+            keys = jnp.argsort(bits[V : 2 * V])[:N].astype(jnp.int32)
+        values = perm[keys]
+        post_N, evidence_N = bijection_posterior(keys, values, V)
+
+        pairs = jnp.stack([keys, values + V], axis=-1).reshape(-1)  # [2N]
+        n_tail = T + 1 - 1 - 2 * N
+        tokens = jnp.concatenate(
+            [jnp.array([self.bos]), pairs, jnp.full((n_tail,), self.pad)]
+        ).astype(jnp.int32)
+        q_pos = 1 + 2 * jnp.arange(N)  # input positions holding the keys
+        mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
+        posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
+        posterior = posterior.at[q_pos, V : 2 * V].set(post_N)
+        evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(evidence_N)
+        return {
+            "inputs": tokens[:-1],
+            "targets": tokens[1:],
+            "mask": mask,
+            "posterior": posterior,
+            "entropy": entropy_bits(posterior) * mask,
+            "evidence": evidence,
+            "permutation": perm.astype(jnp.int32),
+        }
+
+    def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        out = jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
+        out.pop("permutation")
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# HMM filtering
+# ----------------------------------------------------------------------------------------------
+
+
+def hmm_forward(log_pi0: jax.Array, log_T: jax.Array, log_E: jax.Array, obs: jax.Array):
+    """Forward algorithm in log space for one observation sequence.
+
+    log_pi0 [S], log_T [S,S] (row = from), log_E [S,K], obs [L] int.
+    Returns (log_predictive [L+1, K], log_filtered [L, S]):
+    `log_predictive[t] = log p(o_{t+1} = . | o_1..t)` (row 0 is the prior predictive before any
+    observation, row L predicts one step past the end); `log_filtered[t] = log p(s_{t+1} | o_1..t+1)`.
+    """
+    lse = jax.scipy.special.logsumexp
+
+    def predictive(log_state):  # log p(s) -> log p(o)
+        return lse(log_state[:, None] + log_E, axis=0)
+
+    def step(log_prior_state, o):
+        log_joint = log_prior_state + log_E[:, o]
+        log_filt = log_joint - lse(log_joint)
+        log_next = lse(log_filt[:, None] + log_T, axis=0)
+        return log_next, (log_filt, predictive(log_next))
+
+    _, (log_filtered, log_pred_rest) = jax.lax.scan(step, log_pi0, obs)
+    log_pred = jnp.concatenate([predictive(log_pi0)[None], log_pred_rest], axis=0)
+    return log_pred, log_filtered
+
+
+def uniform_from_bits(bits: jax.Array) -> jax.Array:
+    """uint32 random words -> float32 uniforms in (0, 1) (24-bit resolution, never 0 or 1)."""
+    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / 2**24)
+
+
+def dirichlet_rows(key: jax.Array, alpha: float, u: jax.Array) -> jax.Array:
+    """Rows ~ Dirichlet(alpha, ..., alpha), shape of the uniforms `u`. alpha = 1 (the default)
+    normalises the exponentials -log(u), which is exact and much cheaper to compile than the
+    gamma sampler used otherwise (from `key`)."""
+    if alpha == 1.0:
+        x = -jnp.log(u)
+    else:
+        x = jax.random.gamma(key, alpha, u.shape)
+    return x / jnp.sum(x, axis=-1, keepdims=True)
+
+
+def levels_from_probs(p: jax.Array, n_levels: int) -> jax.Array:
+    """Discretise probabilities to integer levels in 1..Q (Q = n_levels)."""
+    return jnp.clip(jnp.round(p * n_levels), 1, n_levels).astype(jnp.int32)
+
+
+def probs_from_levels(levels: jax.Array) -> jax.Array:
+    """The row-stochastic matrix a header of levels stands for."""
+    levels = levels.astype(jnp.float32)
+    return levels / jnp.sum(levels, axis=-1, keepdims=True)
+
+
+@dataclasses.dataclass
+class HMMTask(WindTunnel):
+    """Next-observation prediction in a fresh HMM per sequence, parameters in a header.
+
+    Options: `n_states` S (5), `n_symbols` K (5), `length` (observations per sequence; default
+    fills the sequence after the header), `alpha` (Dirichlet concentration of the rows, 1.0),
+    `n_levels` Q (discretisation levels of the header, 10).
+    """
+
+    seq_len: int
+    seed: int
+    n_states: int = 5
+    n_symbols: int = 5
+    length: int | None = None
+    alpha: float = 1.0
+    n_levels: int = 10
+
+    def __post_init__(self):
+        self.seq_len = _check_int("seq_len", self.seq_len, 2)
+        self.n_states = _check_int("n_states", self.n_states, 1)
+        self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
+        self.n_levels = _check_int("n_levels", self.n_levels, 1)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
+            self.alpha > 0
+        ):
+            raise ValueError(f"option 'alpha' must be a positive number, got {self.alpha!r}")
+        self.alpha = float(self.alpha)
+        S, K, Q = self.n_states, self.n_symbols, self.n_levels
+        self.header_len = 1 + S * S + S * K + 1  # BOS, T, E, SEP
+        max_len = self.seq_len + 1 - self.header_len
+        if max_len < 1:
+            raise ValueError(
+                f"seq_len={self.seq_len} too short for the HMM header ({self.header_len} tokens "
+                f"for n_states={S}, n_symbols={K}); need seq_len >= {self.header_len}"
+            )
+        if self.length is None:
+            self.length = max_len
+        self.length = _check_int("length", self.length, 1, max_len)
+        self.level_offset = K
+        self.bos, self.sep, self.pad = K + Q, K + Q + 1, K + Q + 2
+        self.vocab_size = K + Q + 3
+        self._init_jit()
+
+    def parse_header(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(T, E) float64 matrices from the header of one token sequence (numpy, for tests/probes)."""
+        S, K = self.n_states, self.n_symbols
+        tokens = np.asarray(tokens)
+        assert tokens[0] == self.bos and tokens[self.header_len - 1] == self.sep
+        lv = tokens[1 : self.header_len - 1].astype(np.int64) - self.level_offset + 1
+        lT = lv[: S * S].reshape(S, S).astype(np.float64)
+        lE = lv[S * S :].reshape(S, K).astype(np.float64)
+        return lT / lT.sum(-1, keepdims=True), lE / lE.sum(-1, keepdims=True)
+
+    def sample_one(self, key: jax.Array) -> dict[str, jax.Array]:
+        S, K, L, T, Q = self.n_states, self.n_symbols, self.length, self.seq_len, self.n_levels
+        # one draw of random words for everything (cheap to compile), cut into uniforms
+        k_bits, k_T, k_E = (key,) * 3 if self.alpha == 1.0 else jax.random.split(key, 3)
+        sizes = [S * S, S * K, L * S, L * K]
+        u = uniform_from_bits(jax.random.bits(k_bits, (sum(sizes),), jnp.uint32))
+        u_T, u_E, u_s, u_o = jnp.split(u, np.cumsum(sizes)[:-1])
+        lev_T = levels_from_probs(dirichlet_rows(k_T, self.alpha, u_T.reshape(S, S)), Q)
+        lev_E = levels_from_probs(dirichlet_rows(k_E, self.alpha, u_E.reshape(S, K)), Q)
+        log_T = jnp.log(probs_from_levels(lev_T))
+        log_E = jnp.log(probs_from_levels(lev_E))
+        log_pi0 = jnp.full((S,), -math.log(S), jnp.float32)
+
+        # Gumbel-max sampling of the state chain, then of all emissions at once
+        g_s = -jnp.log(-jnp.log(u_s.reshape(L, S)))
+        g_o = -jnp.log(-jnp.log(u_o.reshape(L, K)))
+        s0 = jnp.argmax(log_pi0 + g_s[0])
+
+        def run(s, g):
+            return jnp.argmax(log_T[s] + g), s
+
+        s_last, states = jax.lax.scan(run, s0, g_s[1:])  # emits s_1..s_{L-1}, ends at s_L
+        states = jnp.concatenate([states, s_last[None]])
+        obs = jnp.argmax(log_E[states] + g_o, axis=-1)
+        log_pred, log_filt = hmm_forward(log_pi0, log_T, log_E, obs)
+
+        header = jnp.concatenate(
+            [lev_T.reshape(-1), lev_E.reshape(-1)]
+        ) + (self.level_offset - 1)
+        n_tail = T + 1 - self.header_len - L
+        tokens = jnp.concatenate(
+            [
+                jnp.array([self.bos]),
+                header,
+                jnp.array([self.sep]),
+                obs,
+                jnp.full((n_tail,), self.pad),
+            ]
+        ).astype(jnp.int32)
+
+        # input positions: SEP at h-1, o_t at h-1+t (t = 1..L); supervised: SEP, o_1..o_{L-1}
+        h = self.header_len
+        q_pos = h - 1 + jnp.arange(L)
+        mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
+        posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
+        posterior = posterior.at[q_pos, :K].set(jnp.exp(log_pred[:L]))
+        evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(jnp.arange(L, dtype=jnp.int32))
+        # filtered state posterior after the observation at each input position
+        obs_pos = h - 1 + jnp.arange(1, L + 1)
+        state_post = jnp.zeros((T + 1, S), jnp.float32)
+        state_post = state_post.at[h - 1].set(jnp.exp(log_pi0))
+        state_post = state_post.at[obs_pos].set(jnp.exp(log_filt))[:T]
+        return {
+            "inputs": tokens[:-1],
+            "targets": tokens[1:],
+            "mask": mask,
+            "posterior": posterior,
+            "entropy": entropy_bits(posterior) * mask,
+            "evidence": evidence,
+            "state_posterior": state_post,
+        }
+
+    def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+        return jax.vmap(self.sample_one)(jax.random.split(key, batch_size))

@@ -1,0 +1,212 @@
+"""Wind-tunnel tasks: exact posteriors against brute force, hand-worked cases, determinism, jit."""
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mhc_jax.data import make_source
+from mhc_jax.data.windtunnel import BijectionTask, HMMTask, bijection_posterior, hmm_forward
+
+
+def _tokens(batch, b):
+    return np.concatenate([np.asarray(batch["inputs"][b]), np.asarray(batch["targets"][b, -1:])])
+
+
+# ------------------------------------------------------------------------------- bijection
+
+
+@pytest.mark.parametrize("V,n_pairs,replacement", [(4, 7, True), (5, 5, False), (5, 9, True)])
+def test_bijection_posterior_matches_permutation_enumeration(V, n_pairs, replacement):
+    src = make_source(
+        "bijection", seq_len=2 * n_pairs + 1, seed=3, n_symbols=V, n_pairs=n_pairs,
+        replacement=replacement,
+    )
+    batch = jax.device_get(src.batch(0, 6))
+    perms = np.array(list(itertools.permutations(range(V))))  # [V!, V]
+    post = batch["posterior"]
+    assert post.shape == (6, 2 * n_pairs + 1, 2 * V + 2)
+    for b in range(6):
+        tok = _tokens(batch, b)
+        assert tok[0] == src.bos and tok[-1] == src.pad
+        keys, vals = tok[1 : 1 + 2 * n_pairs : 2], tok[2 : 2 + 2 * n_pairs : 2] - V
+        assert np.all((keys >= 0) & (keys < V)) and np.all((vals >= 0) & (vals < V))
+        if not replacement:
+            assert len(set(keys.tolist())) == n_pairs
+        for i in range(n_pairs):
+            consistent = np.all(perms[:, keys[:i]] == vals[:i], axis=1)
+            expect = np.bincount(perms[consistent, keys[i]], minlength=V) / consistent.sum()
+            t = 1 + 2 * i
+            np.testing.assert_allclose(post[b, t, V : 2 * V], expect, atol=1e-6)
+            assert post[b, t, :V].sum() == 0 and post[b, t, 2 * V :].sum() == 0
+            assert batch["mask"][b, t] == 1 and batch["targets"][b, t] == V + vals[i]
+            assert post[b, t, batch["targets"][b, t]] > 0  # the sampled answer is possible
+        # unsupervised positions: no mask, no posterior
+        other = np.ones(src.seq_len, bool)
+        other[1 : 1 + 2 * n_pairs : 2] = False
+        assert batch["mask"][b, other].sum() == 0 and post[b, other].sum() == 0
+
+
+def test_bijection_hand_worked_entropies():
+    # pi(0)=3, pi(1)=1, pi(2)=0, pi(3)=4 with V = 5
+    keys = jnp.array([0, 1, 0, 2, 1, 3])
+    vals = jnp.array([3, 1, 3, 0, 1, 4])
+    post, m = bijection_posterior(keys, vals, 5)
+    h = -np.sum(np.where(post > 0, post * np.log2(np.where(post > 0, post, 1)), 0), axis=-1)
+    np.testing.assert_allclose(h, [math.log2(5), 2.0, 0.0, math.log2(3), 0.0, 1.0], atol=1e-6)
+    np.testing.assert_array_equal(m, [0, 1, 2, 2, 3, 3])
+    np.testing.assert_allclose(post[2], np.eye(5)[3])  # repeated key: point mass on its value
+    np.testing.assert_allclose(post[3], [1 / 3, 0, 1 / 3, 0, 1 / 3], atol=1e-6)
+
+
+def test_bijection_entropy_follows_evidence_not_position():
+    src = BijectionTask(seq_len=40, seed=0, n_symbols=8, replacement=True)
+    b = jax.device_get(src.batch(1, 16))
+    V, mask = 8, b["mask"] > 0
+    keys = b["inputs"]
+    for i in range(16):
+        seen = set()
+        for t in np.nonzero(mask[i])[0]:
+            k = int(keys[i, t])
+            want = 0.0 if k in seen else math.log2(V - b["evidence"][i, t])
+            assert b["entropy"][i, t] == pytest.approx(want, abs=1e-5)
+            assert b["evidence"][i, t] == len(seen)
+            seen.add(k)
+    # with replacement, the same position carries different entropies across sequences
+    assert np.unique(np.round(b["entropy"][:, 9], 4)).size > 1
+
+
+def test_bijection_fresh_problem_per_sequence_deterministic_and_jittable():
+    src = BijectionTask(seq_len=40, seed=7, n_symbols=20)
+    keys = jax.random.split(src.key_for(0), 32)
+    perms = np.asarray(jax.jit(jax.vmap(lambda k: src.sample_one(k)["permutation"]))(keys))
+    assert len({p.tobytes() for p in perms}) == 32
+
+    b0 = src.batch(0, 8)
+    again = BijectionTask(seq_len=40, seed=7, n_symbols=20).batch(0, 8)
+    for k in b0:
+        np.testing.assert_array_equal(b0[k], again[k])
+    assert not np.array_equal(b0["inputs"], src.batch(1, 8)["inputs"])
+    assert not np.array_equal(b0["inputs"], src.batch(0, 8, "validation")["inputs"])
+    assert not np.array_equal(b0["inputs"], BijectionTask(seq_len=40, seed=8).batch(0, 8)["inputs"])
+    # the sampler is a pure jittable function of the key
+    direct = jax.jit(src.sample, static_argnums=1)(src.key_for(0), 8)
+    np.testing.assert_array_equal(direct["posterior"], b0["posterior"])
+    assert b0["inputs"].dtype == jnp.int32 and b0["mask"].dtype == jnp.float32
+    assert b0["posterior"].dtype == jnp.float32
+    np.testing.assert_array_equal(b0["inputs"][:, 1:], b0["targets"][:, :-1])
+    big = src.batch(10**9, 2)  # infinite: any step
+    assert big["inputs"].shape == (2, 40)
+
+
+# ------------------------------------------------------------------------------- HMM
+
+
+def _brute_force_predictive(T, E, obs, t):
+    """p(o_{t+1} | o_1..t) by enumerating all state paths s_1..s_{t+1} (uniform initial)."""
+    S, K = E.shape
+    joint = np.zeros(K)
+    for path in itertools.product(range(S), repeat=t + 1):
+        p = 1.0 / S
+        for i, s in enumerate(path):
+            if i > 0:
+                p *= T[path[i - 1], s]
+            if i < t:
+                p *= E[s, obs[i]]
+        joint += p * E[path[-1]]
+    return joint / joint.sum()
+
+
+def _brute_force_filtered(T, E, obs, t):
+    """p(s_t | o_1..t), t >= 1, by enumerating state paths."""
+    S = T.shape[0]
+    w = np.zeros(S)
+    for path in itertools.product(range(S), repeat=t):
+        p = 1.0 / S * E[path[0], obs[0]]
+        for i in range(1, t):
+            p *= T[path[i - 1], path[i]] * E[path[i], obs[i]]
+        w[path[-1]] += p
+    return w / w.sum()
+
+
+@pytest.mark.parametrize("S,K,L", [(2, 3, 6), (3, 2, 5)])
+def test_hmm_predictive_matches_state_path_enumeration(S, K, L):
+    src = make_source("hmm", seq_len=40, seed=11, n_states=S, n_symbols=K, length=L, n_levels=6)
+    batch = jax.device_get(src.batch(0, 4))
+    h = src.header_len
+    for b in range(4):
+        tok = _tokens(batch, b)
+        T, E = src.parse_header(tok)  # the discretised parameters written into the header
+        assert np.all(T > 0) and np.all(E > 0)
+        obs = tok[h : h + L]
+        assert np.all((obs >= 0) & (obs < K)) and np.all(tok[h + L :] == src.pad)
+        for t in range(L):
+            pos = h - 1 + t
+            row = batch["posterior"][b, pos]
+            np.testing.assert_allclose(row[:K], _brute_force_predictive(T, E, obs, t), atol=1e-5)
+            assert row.sum() == pytest.approx(1.0, abs=1e-5) and row[K:].sum() == 0
+            assert batch["mask"][b, pos] == 1 and batch["evidence"][b, pos] == t
+            assert batch["targets"][b, pos] == obs[t]
+            if t >= 1:
+                np.testing.assert_allclose(
+                    batch["state_posterior"][b, pos], _brute_force_filtered(T, E, obs, t), atol=1e-5
+                )
+        assert batch["mask"][b].sum() == L
+
+
+def test_hmm_hand_worked_forward():
+    T = jnp.array([[0.9, 0.1], [0.2, 0.8]])
+    E = jnp.array([[0.7, 0.3], [0.1, 0.9]])
+    log_pred, log_filt = hmm_forward(jnp.log(jnp.array([0.5, 0.5])), jnp.log(T), jnp.log(E), jnp.array([0]))
+    # before any observation: mean of the emission rows
+    np.testing.assert_allclose(np.exp(log_pred[0]), [0.4, 0.6], atol=1e-6)
+    # after o1 = 0: filtered [0.35, 0.05] / 0.4 = [0.875, 0.125]; next state [0.8125, 0.1875]
+    np.testing.assert_allclose(np.exp(log_filt[0]), [0.875, 0.125], atol=1e-6)
+    np.testing.assert_allclose(np.exp(log_pred[1]), [0.5875, 0.4125], atol=1e-6)
+
+
+def test_hmm_observations_are_drawn_from_the_header_hmm():
+    """Calibration: symbols predicted with probability p occur with frequency p."""
+    src = HMMTask(seq_len=60, seed=5, n_states=3, n_symbols=3)
+    b = jax.device_get(src.batch(0, 128))
+    m = b["mask"] > 0
+    p = b["posterior"][m][:, :3]  # [N, K]
+    y = np.eye(3)[b["targets"][m]]
+    bins = np.minimum((p * 5).astype(int), 4)
+    for k in range(5):
+        sel = bins == k
+        if sel.sum() > 400:
+            assert abs(y[sel].mean() - p[sel].mean()) < 0.03, k
+
+
+def test_hmm_layout_and_options():
+    src = HMMTask(seq_len=64, seed=0)
+    assert src.header_len == 52 and src.length == 64 + 1 - 52
+    assert src.vocab_size == 5 + 10 + 3
+    b = jax.device_get(src.batch(0, 2))
+    hdr = b["inputs"][:, 1 : src.header_len - 1]
+    assert np.all((hdr >= 5) & (hdr < 15))
+    np.testing.assert_allclose(b["posterior"].sum(-1), b["mask"], atol=1e-5)
+    np.testing.assert_allclose(b["state_posterior"][:, src.header_len - 1], 1 / 5, atol=1e-6)
+
+
+def test_make_source_rejects_bad_names_and_options():
+    with pytest.raises(ValueError, match="nope"):
+        make_source("nope", seq_len=8, seed=0)
+    with pytest.raises(ValueError, match="n_simbols"):
+        make_source("bijection", seq_len=8, seed=0, n_simbols=4)
+    with pytest.raises(ValueError, match="n_pairs"):
+        make_source("bijection", seq_len=64, seed=0, n_symbols=5, n_pairs=6, replacement=False)
+    with pytest.raises(ValueError, match="n_pairs"):
+        make_source("bijection", seq_len=8, seed=0, n_pairs=5)
+    with pytest.raises(ValueError, match="replacement"):
+        make_source("bijection", seq_len=8, seed=0, replacement="yes")
+    with pytest.raises(ValueError, match="seq_len"):
+        make_source("hmm", seq_len=20, seed=0)
+    with pytest.raises(ValueError, match="alpha"):
+        make_source("hmm", seq_len=80, seed=0, alpha=0)
+    with pytest.raises(ValueError, match="split"):
+        make_source("bijection", seq_len=8, seed=0).batch(0, 2, "dev")
