@@ -13,7 +13,8 @@ information quantities are in **bits**.
 - `ece`: expected calibration error with `n_bins` equal-width confidence bins, confidence =
   max model probability, correctness = `posterior[argmax logits]`.
 
-Each scalar is a mean over masked positions. The `*_per_position` variants return a curve: the
+Each scalar is a mean over masked positions. The public functions are jitted (`n_bins` and
+`num_groups` static), so eager callers compile once; inside a caller's jit they inline. The `*_per_position` variants return a curve: the
 mean over the batch for each position index (`groups=None`, length T), or for each value of an
 integer `groups [B,T]` array such as the batch's `evidence` (bijection: number of distinct values
 revealed before the query; HMM: number of observations seen), length `num_groups`; groups with no
@@ -22,6 +23,7 @@ masked position are NaN (`group_count` says how many positions each group has).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -90,12 +92,14 @@ def _group_ids(mask: jax.Array, groups: jax.Array | None, num_groups: int | None
     return groups.astype(jnp.int32), int(num_groups)
 
 
+@functools.partial(jax.jit, static_argnames="num_groups")
 def group_count(mask: jax.Array, groups: jax.Array | None = None, num_groups: int | None = None):
     """Number of masked positions in each group (position index, or value of `groups`)."""
     ids, G = _group_ids(mask, groups, num_groups)
     return jax.ops.segment_sum(mask.astype(jnp.float32).reshape(-1), ids.reshape(-1), G)
 
 
+@functools.partial(jax.jit, static_argnames="num_groups")
 def group_mean(
     values: jax.Array, mask: jax.Array, groups: jax.Array | None = None, num_groups: int | None = None
 ) -> jax.Array:
@@ -122,21 +126,25 @@ def _ece_sums(conf, correct, mask, ids, G, n_bins):
 # ---------------------------------------------------------------- public metrics
 
 
+@jax.jit
 def kl_bits(posterior, logits, mask) -> jax.Array:
     """Mean KL(posterior || model) in bits over masked positions."""
     return masked_mean(kl_bits_pointwise(posterior, logits), mask)
 
 
+@jax.jit
 def entropy_gap_bits(posterior, logits, mask) -> jax.Array:
     """Mean |H(posterior) - H(model)| in bits over masked positions."""
     return masked_mean(entropy_gap_bits_pointwise(posterior, logits), mask)
 
 
+@jax.jit
 def accuracy(posterior, logits, mask, targets=None) -> jax.Array:
     """Mean expected top-1 accuracy under the posterior (or against `targets` when given)."""
     return masked_mean(correct_pointwise(posterior, logits, targets), mask)
 
 
+@functools.partial(jax.jit, static_argnames="n_bins")
 def ece(posterior, logits, mask, n_bins: int = 10) -> jax.Array:
     """Expected calibration error over masked positions (equal-width confidence bins)."""
     B, T = mask.shape
@@ -147,18 +155,22 @@ def ece(posterior, logits, mask, n_bins: int = 10) -> jax.Array:
     return (s / jnp.maximum(n, 1.0))[0]
 
 
+@functools.partial(jax.jit, static_argnames="num_groups")
 def kl_bits_per_position(posterior, logits, mask, groups=None, num_groups=None) -> jax.Array:
     return group_mean(kl_bits_pointwise(posterior, logits), mask, groups, num_groups)
 
 
+@functools.partial(jax.jit, static_argnames="num_groups")
 def entropy_gap_bits_per_position(posterior, logits, mask, groups=None, num_groups=None):
     return group_mean(entropy_gap_bits_pointwise(posterior, logits), mask, groups, num_groups)
 
 
+@functools.partial(jax.jit, static_argnames="num_groups")
 def accuracy_per_position(posterior, logits, mask, groups=None, num_groups=None, targets=None):
     return group_mean(correct_pointwise(posterior, logits, targets), mask, groups, num_groups)
 
 
+@functools.partial(jax.jit, static_argnames=("num_groups", "n_bins"))
 def ece_per_position(posterior, logits, mask, groups=None, num_groups=None, n_bins: int = 10):
     ids, G = _group_ids(mask, groups, num_groups)
     s, n = _ece_sums(
@@ -167,6 +179,7 @@ def ece_per_position(posterior, logits, mask, groups=None, num_groups=None, n_bi
     return jnp.where(n > 0, s / jnp.maximum(n, 1.0), jnp.nan)
 
 
+@jax.jit
 def soft_cross_entropy(posterior, logits, mask) -> jax.Array:
     """Cross-entropy against the posterior as a soft target, in nats (a training loss;
     equals KL(posterior || model) plus the posterior entropy, so its gradient is KL's)."""
@@ -174,6 +187,7 @@ def soft_cross_entropy(posterior, logits, mask) -> jax.Array:
     return masked_mean(ce, mask)
 
 
+@functools.partial(jax.jit, static_argnames=("n_bins", "num_groups"))
 def fidelity_metrics(batch: dict, logits: jax.Array, *, n_bins: int = 10, num_groups=None) -> dict:
     """All fidelity metrics for a wind-tunnel batch (needs `posterior` and `mask`).
 

@@ -14,7 +14,7 @@ V, W, K, D, E, T = 11, 24, 4, 2, 8, 12
 def model_and_params():
     model = WindowMLP(vocab=V, width=W, window=K, depth=D, embed_dim=E)
     tokens = jax.random.randint(jax.random.key(0), (2, T), 0, V)
-    params = model.init(jax.random.key(1), tokens)
+    params = jax.jit(model.init)(jax.random.key(1), tokens)
     return model, params, tokens
 
 
@@ -24,7 +24,7 @@ def test_shapes_and_param_count(model_and_params):
     assert logits.shape == (2, T, V) and logits.dtype == jnp.float32
     assert param_count(params) == window_mlp_param_count(V, W, K, D, E)
     for depth in (1, 3):
-        p = WindowMLP(V, W, K, depth, E).init(jax.random.key(0), tokens)
+        p = jax.eval_shape(WindowMLP(V, W, K, depth, E).init, jax.random.key(0), tokens)
         assert param_count(p) == window_mlp_param_count(V, W, K, depth, E)
 
 
