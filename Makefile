@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,notebooks
+EXTRAS ?= dev,notebooks,tfds
 
 .PHONY: setup test test-fast demo bench clean
 

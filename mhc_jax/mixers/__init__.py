@@ -38,14 +38,18 @@ def _cls(name: str) -> type[Mixer]:
   return _REGISTRY[name]
 
 
-def get(name: str, **opts) -> Mixer:
-  """An (unbound) mixer module; unknown options raise ``ValueError`` naming them."""
+def get(name: str, *, module_name: str | None = None, **opts) -> Mixer:
+  """A mixer module (named ``module_name`` when built inside a parent's compact method).
+
+  Options the model handles (``MODEL_OPTIONS``) are ignored here; unknown options raise
+  ``ValueError`` naming them.
+  """
   cls = _cls(name)
   opts = {k: v for k, v in opts.items() if k not in MODEL_OPTIONS}
   bad = sorted(set(opts) - set(options(name)))
   if bad:
     raise ValueError(f"mixer {name!r}: unknown option(s) {bad}; accepted: {options(name)}")
-  return cls(**opts)
+  return cls(**opts, name=module_name)
 
 
 __all__ = ["STAT_KEYS", "Collapse", "Mixer", "get", "names", "options"]
