@@ -1,0 +1,1 @@
+"""Sweeps: grid expansion, the resumable runner, populations and the report."""

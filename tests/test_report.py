@@ -1,0 +1,232 @@
+"""Sweep report (mhc_jax.sweep.report / plots) on synthetic run directories (tests/fixtures_logs.py)."""
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from fixtures_logs import make_sweep, raw_records, write_run
+
+from mhc_jax.sweep import plots
+from mhc_jax.sweep.report import (
+    COLUMN_DOCS,
+    _axis_columns,
+    lr_sensitivity_table,
+    summarize_run,
+    summary_table,
+    write_report,
+)
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SPIKED = "mhc_L4_C32_lr0.01_s0"  # planted loss spike at step 80
+DIVERGED = "hc_L4_C32_lr0.03_s0"  # NaN loss from step 75, halted
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = make_sweep(tmp_path_factory.mktemp("sweep"), failed_empty=True)
+    return root, write_report(root)
+
+
+def _same(a, b):
+    if isinstance(a, float) and math.isnan(a):
+        return isinstance(b, float) and math.isnan(b)
+    return a == pytest.approx(b, rel=1e-12)
+
+
+# =========================================================================== the table
+def test_one_row_per_run_with_axes_and_columns(sweep):
+    root, _ = sweep
+    manifest = json.loads((root / "manifest.json").read_text())["runs"]
+    df = summary_table(root)
+    assert sorted(df["run"]) == sorted(manifest)
+    assert list(df.columns[:4]) == ["run", "mixer", "depth", "lr"]  # axes, shortened
+    assert {"width", "seed"} <= set(df.columns)  # from config.yaml, not axes
+    assert list(df.columns[-len(COLUMN_DOCS):]) == list(COLUMN_DOCS)
+    assert df.attrs["axes"] == {"model.mixer": "mixer", "model.depth": "depth", "optim.lr": "lr"}
+    for name, info in manifest.items():
+        row = df[df["run"] == name].iloc[0]
+        assert row["status"] == info["status"]
+        assert row["mixer"] == info["overrides"]["model.mixer"]
+    assert df["depth"].dtype == "Int64" and df["width"].dtype == "Int64"
+
+
+def test_cells_recomputed_from_raw_files(sweep):
+    root, _ = sweep
+    df = summary_table(root).set_index("run")
+    checked = 0
+    for rdir in sorted((root / "runs").iterdir()):
+        if not (rdir / "metrics.jsonl").exists():
+            continue
+        recs = raw_records(rdir / "metrics.jsonl")
+        evs = raw_records(rdir / "events.jsonl")
+        row = df.loc[rdir.name]
+        losses = [r["loss"] for r in recs if "loss" in r]
+        k = max(1, math.ceil(len(losses) / 20))
+        assert _same(row["final_loss"], sum(losses[-k:]) / k)
+        grads = [r["grad_norm"] for r in recs if "grad_norm" in r and not math.isnan(r["grad_norm"])]
+        assert _same(row["max_grad_norm"], max(grads))
+        assert row["spike_count"] == sum(e["kind"].startswith("spike/") for e in evs)
+        whole = [r["amax_fwd_composite"][-1] for r in recs if "amax_fwd_composite" in r]
+        assert _same(row["amax_fwd_composite_max"], max(v for v in whole if not math.isnan(v)))
+        every = [v for r in recs if "amax_bwd_composite" in r for v in r["amax_bwd_composite"] if not math.isnan(v)]
+        assert _same(row["amax_bwd_composite_max_all_layers"], max(every))
+        assert _same(row["kl_bits"], [r["eval/kl_bits"] for r in recs if "eval/kl_bits" in r][-1])
+        assert _same(row["loss_init"], losses[0])
+        assert row["steps"] == max(r["step"] for r in recs)
+        checked += 1
+    assert checked == 18
+    # the planted spike and the diverged run read as such, honestly
+    assert df.loc[SPIKED, "spike_count"] >= 1 and df.loc[SPIKED, "max_grad_norm"] > 5
+    div = df.loc[DIVERGED]
+    assert math.isnan(div["final_loss"]) and div["max_grad_norm"] == math.inf
+    assert div["status"] == "failed" and div["nonfinite"] == 4
+    assert "loss non-finite from step 75" in div["note"] and "divergence at step 75" in div["note"]
+    assert math.isfinite(div["min_loss"]) and math.isfinite(div["amax_fwd_composite_max"])
+
+
+def test_runs_without_metrics_are_listed(sweep):
+    root, _ = sweep
+    df = summary_table(root).set_index("run")
+    for name, status in (("mhc_lite_pending", "pending"), ("mhc_lite_failed", "failed")):
+        row = df.loc[name]
+        assert row["status"] == status and row["steps"] == 0
+        assert math.isnan(row["final_loss"]) and row["spike_count"] is pd.NA
+        assert "no metrics" in row["note"]
+    empty = summarize_run(root / "does_not_exist")
+    assert empty["steps"] == 0 and math.isnan(empty["final_loss"]) and empty["note"]
+
+
+def test_eval_only_record_is_not_a_nan_loss(tmp_path):
+    write_run(tmp_path, steps=40, eval_every=20)
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # a final eval after the last train step
+        f.write(json.dumps({"step": 41, "eval/kl_bits": 0.125}) + "\n")
+    s = summarize_run(tmp_path)
+    assert math.isfinite(s["final_loss"]) and s["kl_bits"] == 0.125 and s["steps"] == 41
+
+
+def test_axis_names_are_shortened_without_collisions():
+    cols = _axis_columns(["model.mixer", "optim.lr", "model.width", "data.width", "train.steps", "model.n_streams"])
+    assert cols == {"model.mixer": "mixer", "optim.lr": "lr", "model.width": "width",
+                    "data.width": "data.width", "train.steps": "train.steps", "model.n_streams": "n_streams"}
+
+
+# =========================================================================== the report
+def test_write_report_files(sweep):
+    root, paths = sweep
+    out = root / "report"
+    pngs = sorted(out.glob("*.png"))
+    assert {"loss_curves.png", "grad_norms.png", "amax_vs_depth.png", "lr_sensitivity.png"} <= {p.name for p in pngs}
+    assert len([p for p in pngs if p.name.startswith("heatmap_")]) == 3  # one per mixer with metrics
+    for p in pngs:
+        data = p.read_bytes()
+        assert data[:8] == PNG and len(data) > 8_000, p.name
+    assert {Path(v) for k, v in paths.items() if v.endswith(".png")} == set(pngs)
+    page = (out / "index.html").read_text()
+    assert set(re.findall(r'<img src="([^"]+)"', page)) == {p.name for p in pngs}
+    assert "<table" in page and all(n in page for n in summary_table(root)["run"])
+    assert "lr_sensitivity" in page and "<figcaption>" in page
+    assert (out / "summary.md").read_text().count("\n| ") >= 20
+    assert paths["index_html"] == str(out / "index.html")
+
+
+def test_summary_csv_round_trips(sweep):
+    root, paths = sweep
+    df = summary_table(root)
+    csv = pd.read_csv(paths["summary_csv"])
+    assert list(csv.columns) == list(df.columns) and list(csv["run"]) == list(df["run"])
+    assert list(csv["status"]) == list(df["status"])
+    for c in df.columns:
+        if c in ("run", "mixer", "status", "note"):
+            continue
+        want = df[c].astype("Float64").to_numpy(float, na_value=np.nan)
+        np.testing.assert_array_equal(pd.to_numeric(csv[c]).to_numpy(float), want, err_msg=c)
+
+
+def test_page_says_what_is_missing(sweep):
+    root, _ = sweep
+    page = (root / "report" / "index.html").read_text()
+    assert "mhc_lite_pending (pending) has no metrics yet" in page
+    assert "mhc_lite_failed (failed) has no metrics yet" in page
+    assert f"Run {DIVERGED}: final_loss is NaN" in page
+    assert re.search(r'<td class="num bad">inf</td>', page)  # the diverged run's max grad norm
+
+
+def test_no_lr_axis(tmp_path):
+    root = make_sweep(tmp_path, mixers=("residual", "mhc"), depths=(2,), lrs=None, steps=50, spike=None,
+                      diverge=None)
+    df = summary_table(root)
+    assert "lr" in df.columns and "lr" not in df.attrs["axes"].values()  # constant lr from the config
+    assert lr_sensitivity_table(df).empty
+    paths = write_report(root, max_heatmaps=1)
+    assert "lr_sensitivity" not in paths and "lr_sensitivity_csv" not in paths
+    assert not (root / "report" / "lr_sensitivity.png").exists()
+    page = Path(paths["index_html"]).read_text()
+    assert "no learning-rate axis" in page and "mhc_lite_pending (pending) has no metrics yet" in page
+    assert len([k for k in paths if k.startswith("heatmap:")]) == 1
+
+
+def test_single_run_sweep_and_bare_run_dir(tmp_path):
+    root = make_sweep(tmp_path / "one", mixers=("hc",), depths=(3,), lrs=None, steps=60, spike=None,
+                      diverge=("hc", 3, 1e-2, 40), pending=False, wind_tunnel=False)
+    paths = write_report(root, out_dir=tmp_path / "out")
+    df = summary_table(root)
+    assert len(df) == 1 and math.isnan(df["final_loss"][0]) and math.isnan(df["kl_bits"][0])
+    assert {"loss_curves", "grad_norms", "amax_vs_depth"} <= set(paths)
+    assert all(Path(p).parent == tmp_path / "out" for p in paths.values())
+    assert not (root / "report").exists()
+    # a run directory without a manifest is a one-run sweep
+    run_dir = next((root / "runs").iterdir())
+    bare = summary_table(run_dir)
+    assert list(bare["run"]) == [run_dir.name] and bare["status"][0] == "halted"
+    assert bare["steps"][0] == df["steps"][0]
+
+
+# =========================================================================== lr sensitivity
+def test_lr_sensitivity_matches_formula_on_hand_grid():
+    nan = math.nan
+    rows = [  # run, mixer, depth, lr | status, steps, loss_init, final_loss
+        ("a1", "mhc", 2, 1e-3, "done", 100, 2.0, 1.0),
+        ("a2", "mhc", 2, 1e-2, "done", 100, 2.0, 0.5),
+        ("a3", "mhc", 2, 1e-1, "failed", 40, 2.0, nan),  # diverged -> counts as loss_init
+        ("a4", "mhc", 2, 1.0, "pending", 0, nan, nan),  # never ran -> left out
+        ("b1", "hc", 2, 1e-3, "done", 100, 2.2, 3.0),  # above loss_init -> capped
+        ("b2", "hc", 2, 1e-2, "done", 100, 1.8, 0.8),
+        ("b3", "hc", 2, 1e-1, "done", 100, 2.0, 0.9),
+        ("c1", "hc", 4, 1e-2, "done", 100, 2.0, 0.7),  # a single lr: no sensitivity
+    ]
+    df = pd.DataFrame(rows, columns=["run", "mixer", "depth", "lr", "status", "steps", "loss_init", "final_loss"])
+    out = lr_sensitivity_table(df).set_index("mixer")
+    a = out.loc["mhc"]
+    assert a["lr_sensitivity"] == pytest.approx(((1.0 - 0.5) + 0 + (2.0 - 0.5)) / 3)
+    assert a["n_lr"] == 3 and a["n_diverged"] == 1 and a["best_lr"] == 1e-2 and a["loss_init"] == 2.0
+    b = out[out["depth"] == 2].loc["hc"]
+    assert b["loss_init"] == pytest.approx(2.0)  # mean of the group's first losses
+    assert b["lr_sensitivity"] == pytest.approx(((2.0 - 0.8) + 0 + (0.9 - 0.8)) / 3)
+    c = out[out["depth"] == 4].iloc[0]
+    assert c["n_lr"] == 1 and math.isnan(c["lr_sensitivity"])
+
+
+def test_lr_table_groups_by_other_axes(sweep):
+    root, _ = sweep
+    df = summary_table(root)
+    out = lr_sensitivity_table(df)
+    assert len(out) == 6 and set(out["n_lr"]) == {3}  # 3 mixers x 2 depths; the pending run has no metrics
+    hc4 = out[(out["mixer"] == "hc") & (out["depth"] == 4)].iloc[0]
+    assert hc4["n_diverged"] == 1 and hc4["lr_sensitivity"] > out["lr_sensitivity"].drop(hc4.name).max()
+
+
+# =========================================================================== plots
+def test_plots_skip_what_is_not_there(tmp_path):
+    runs = pd.DataFrame({"run": ["x"], "mixer": ["hc"], "depth": [2], "status": ["done"], "steps": [3]})
+    metrics = pd.DataFrame({"run": ["x"] * 3, "step": [1, 2, 3], "loss": [math.nan, math.inf, math.nan]})
+    events = pd.DataFrame(columns=["run", "step", "kind", "value"])
+    assert plots.loss_curves(metrics, runs, events, tmp_path / "l.png") is None
+    assert plots.composite_gain_vs_depth(metrics, runs, tmp_path / "a.png") is None
+    assert plots.pick_heatmap_runs(metrics, runs) == []
+    assert not list(tmp_path.iterdir())
+    colors = plots.mixer_colors(["zeta", "mhc", "residual", "alpha"])
+    assert list(colors) == ["residual", "mhc", "alpha", "zeta"]
+    assert colors == plots.mixer_colors(["alpha", "zeta", "mhc", "residual"])  # order-independent
