@@ -8,7 +8,8 @@
 mixer stats stacked over the 2L layers (``aux["stats"][k]`` is ``[2L, ...]``), the max
 pre-softmax attention logit per block ``[L]``, and output-logit statistics. ``probes``
 (``[L, 2, B, T, n, C]``, zeros) are added to the stream state before each mixer call, so the
-gradient with respect to them is dLoss/d(stream state) at every mixer layer.
+gradient with respect to them is dLoss/d(stream state) at every mixer layer; ``out_probe``
+(``[B, T, n, C]``) does the same at the collapse input (after the last mixer layer).
 Residual states, queries, keys and attention weights are sown into ``intermediates``.
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ class Transformer(nn.Module):
   cfg: object  # mhc_jax.train.config.ModelConfig (vocab resolved)
 
   @nn.compact
-  def __call__(self, tokens_BT, probes=None):
+  def __call__(self, tokens_BT, probes=None, out_probe=None):
     cfg = self.cfg
     dt, L, c = _dtype(cfg.dtype), cfg.depth, cfg.width
     embed = self.param("embedding", nn.with_logical_partitioning(
@@ -110,6 +111,8 @@ class Transformer(nn.Module):
         ys.append(y)
       stats, logit_max = jax.tree.map(lambda *a: jnp.stack(a), *ys)
     stats = jax.tree.map(lambda a: a.reshape((2 * L,) + a.shape[2:]), stats)
+    if out_probe is not None:
+      x = x + out_probe.astype(x.dtype)
     x = Collapse(streams(cfg), cfg.mixer_options.get("collapse", "sum"), name="collapse")(x)
     h_BTC = RMSNorm(dt, name="final_norm")(x)
     if cfg.tied_embeddings:

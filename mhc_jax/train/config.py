@@ -423,6 +423,8 @@ class TrainConfig(_Section):
     spike_threshold: float = 6.0  # in standard deviations of the trailing window
     halt_on_divergence: bool = False
     population: Optional[dict] = None
+    # Fault injection for testing the non-finite policy: the loss at this step is made NaN.
+    inject_nonfinite_at: int = -1
 
     def _check(self):
         self._at_least("steps", 1)

@@ -1,0 +1,117 @@
+"""The pure, jitted train and eval steps.
+
+``train_step(state, batch, diag) -> (state, metrics)``: loss (+ z-loss), gradients, optax update,
+the non-finite policy (a non-finite loss or gradient norm leaves parameters and optimiser state
+untouched and is counted), and the metrics of docs/interfaces.md. With ``diag`` (static), zero
+probes added to the stream give dLoss/d(stream) at every mixer layer, and the per-layer
+diagnostics are computed on the device.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from mhc_jax import diagnostics as dg
+from mhc_jax import posterior
+from mhc_jax.model import probe_shape
+from mhc_jax.train.state import State
+
+
+def token_loss(logits, batch, target: str):
+  """Mean cross-entropy over masked positions (sampled target, or the exact posterior)."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+  if target == "posterior":
+    ce = -jnp.sum(batch["posterior"] * logp, axis=-1)
+  else:
+    ce = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+  mask = batch["mask"].astype(jnp.float32)
+  denom = jnp.maximum(mask.sum(), 1.0)
+  z = jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * mask) / denom
+  return jnp.sum(ce * mask) / denom, z
+
+
+def make_loss(model, cfg):
+  def loss_fn(params, probes, batch):
+    layer_probes, out_probe = probes if probes is not None else (None, None)
+    logits, aux = model.apply(params, batch["inputs"], layer_probes, out_probe)
+    loss, z = token_loss(logits, batch, cfg.data.target)
+    total = loss + cfg.train.z_loss * z
+    if "plant" in batch:                      # fault injection: NaN at a chosen step
+      total = total * jnp.mean(batch["plant"])
+    return total, (loss, z, aux)
+  return loss_fn
+
+
+def make_train_step(model, tx, schedule, cfg):
+  loss_fn = make_loss(model, cfg)
+  clip = cfg.optim.clip or 0.0
+
+  def step(state: State, batch: dict, diag: bool):
+    b, t = batch["inputs"].shape
+    probes = None
+    if diag:
+      shape = probe_shape(cfg.model, b, t)
+      probes = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape[2:], jnp.float32))
+    (total, (loss, z, aux)), (grads, g_probe) = jax.value_and_grad(
+        loss_fn, argnums=(0, 1), has_aux=True)(state.params, probes, batch)
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    lr = schedule(state.step)
+    new = State(step=state.step + 1, params=keep(params, state.params),
+                opt_state=keep(opt_state, state.opt_state),
+                nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
+    upd_rms = dg.tree_rms(updates)
+    metrics = {
+        "loss": loss, "z_loss": z, "lr": lr, "grad_norm": grad_norm,
+        "grad_norm_clipped": jnp.minimum(grad_norm, clip) if clip > 0 else grad_norm,
+        "param_norm": dg.tree_norm(new.params),
+        "update_rms_lr": jnp.where(lr > 0, upd_rms / jnp.where(lr > 0, lr, 1.0), 0.0),
+        "nonfinite": new.nonfinite, "finite": finite,
+    }
+    if diag:
+      metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth)
+    return new, metrics
+
+  return step
+
+
+def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
+  """Per-layer metrics from the model's stats and the probe gradients (all on device)."""
+  L2 = 2 * depth
+  g_layers, g_out = g_probe
+  g = g_layers.reshape((L2,) + g_layers.shape[2:]).astype(jnp.float32)  # [2L, B, T, n, C]
+  grad_rms = jnp.sqrt(jnp.mean(jnp.square(g), axis=tuple(range(1, g.ndim))))
+  grad_out = jnp.sqrt(jnp.mean(jnp.square(g_out.astype(jnp.float32))))
+  out = dg.layer_metrics(aux["stats"], grad_rms=grad_rms, grad_rms_out=grad_out)
+  out["grad_rms"] = grad_rms
+  out["attn_logit_max"] = aux["attn_logit_max"]
+  for k in ("out_logit_max", "logsumexp_mean", "logsumexp_max"):
+    out[k] = aux[k]
+  s = aux["stats"]
+  out["growth_exponent"] = dg.growth_exponent(s["rms_in"][0], s["rms_out"][-1], L2)
+  out["growth_exponent_grad"] = dg.growth_exponent(grad_rms[-1], grad_rms[0], L2)
+  blocks = grads["params"]["blocks"] if "blocks" in grads["params"] else None
+  if blocks is not None:
+    out["layer_grad_norm"] = dg.tree_layer_norms(blocks)
+  return out
+
+
+def make_eval_step(model, cfg):
+  def evaluate(params, batch):
+    logits, _ = model.apply(params, batch["inputs"])
+    loss, _ = token_loss(logits, batch, cfg.data.target)
+    out = {"eval/loss": loss}
+    if "posterior" in batch:
+      fm = posterior.fidelity_metrics(batch, logits)
+      for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece"):
+        out[f"eval/{k}"] = fm[k]
+      out["eval/kl_bits_by_position"] = fm["kl_bits_by_position"]
+      if "kl_bits_by_evidence" in fm:
+        out["eval/kl_bits_by_evidence"] = fm["kl_bits_by_evidence"]
+    return out
+
+  return evaluate
