@@ -303,7 +303,7 @@ class ModelConfig(_Section):
     remat: Literal["none", "full", "dots"] = "none"
     scan: bool = True
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
-    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32"] = "float32"  # parameters and optimiser state stay float32
     init: Literal["standard", "depth_scaled"] = "standard"
     init_scale: float = 1.0
     mixer: str = "residual"
