@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,notebooks,tfds
+EXTRAS ?= dev,notebooks,tfds,tb
 
 .PHONY: setup test test-fast demo bench clean
 
