@@ -1,0 +1,60 @@
+"""Compile time of the train step against depth, scan vs Python loop (issue: flat under scan).
+
+    .venv/bin/python benchmarks/compile_time.py [--depths 4 32] [--mixer mhc]
+
+Lowers and compiles one value_and_grad step of the Transformer (width 64, 4 heads, seq 64,
+batch 8) at each depth; prints seconds per depth and the ratio deepest / shallowest. Each
+measurement is the median of --repeats fresh compiles (the compilation cache is cleared).
+"""
+import argparse
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from mhc_jax.model import Transformer
+from mhc_jax.train.config import ModelConfig
+
+
+def compile_seconds(cfg: ModelConfig, repeats: int) -> float:
+  model = Transformer(cfg)
+  tokens = jnp.zeros((8, 64), jnp.int32)
+  params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)))
+
+  def loss(p, t):
+    logits, _ = model.apply(p, t)
+    return jnp.mean(jax.nn.logsumexp(logits, -1))
+
+  times = []
+  for _ in range(repeats):
+    jax.clear_caches()
+    t0 = time.perf_counter()
+    jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--depths", type=int, nargs="+", default=[4, 32])
+  ap.add_argument("--mixer", default="mhc")
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--no-loop", action="store_true", help="skip the Python-loop comparison")
+  args = ap.parse_args()
+  opts = {} if args.mixer == "residual" else {"n": 4}
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; mixer {args.mixer}")
+  for scan in ([True] if args.no_loop else [True, False]):
+    secs = {}
+    for d in args.depths:
+      cfg = ModelConfig(vocab=256, depth=d, width=64, heads=4, mixer=args.mixer,
+                        mixer_options=opts, scan=scan)
+      secs[d] = compile_seconds(cfg, args.repeats)
+      print(f"  scan={scan!s:5} depth={d:3d}: compile {secs[d]:6.2f} s", flush=True)
+    lo, hi = min(args.depths), max(args.depths)
+    print(f"scan={scan}: compile ratio depth {hi} / depth {lo} = {secs[hi] / secs[lo]:.2f}")
+
+
+if __name__ == "__main__":
+  main()
