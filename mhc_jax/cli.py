@@ -72,12 +72,31 @@ def default_run_dir(cfg) -> Path:
 
 
 def check_run_dir(path: Path, resume: bool) -> None:
+  if path.exists() and not path.is_dir():
+    raise UsageError(f"--out: {path} exists and is not a directory")
   if resume:
     if not (path / "config.yaml").exists():
       raise UsageError(f"--resume: {path} is not a run directory (no config.yaml)")
   elif path.exists() and any(path.iterdir()):
     raise UsageError(f"--out: {path} already holds a run; pass --resume to continue it or "
                      f"choose another directory (runs are never overwritten)")
+
+
+def same_on_all_processes(path: Path) -> Path:
+  """Process 0's ``path`` on every process of a multi-process run (a default run directory
+  holds the time of day, which processes need not agree on)."""
+  import jax
+  if jax.process_count() == 1:
+    return path
+  import numpy as np
+  from jax.experimental import multihost_utils
+  raw = np.zeros(4096, np.uint8)
+  name = os.fsencode(path)
+  if len(name) > raw.size:
+    raise UsageError(f"--out: path longer than {raw.size} bytes")
+  raw[:len(name)] = np.frombuffer(name, np.uint8)
+  raw = np.asarray(multihost_utils.broadcast_one_to_all(raw))
+  return Path(os.fsdecode(raw.tobytes().rstrip(b"\0")))
 
 
 def cmd_train(args) -> int:
@@ -93,12 +112,16 @@ def cmd_train(args) -> int:
   else:
     cfg = C.load_config(args.config, args.set)
   cfg = init_distributed(cfg, args)
-  out = out or default_run_dir(cfg)
+  out = same_on_all_processes(out or default_run_dir(cfg))
   check_run_dir(out, args.resume)
   if args.resume:
     saved = C.load_config(out / "config.yaml")
     if C.config_hash(saved) != C.config_hash(C.with_data_vocab(cfg, saved.model.vocab)):
       raise UsageError(f"--resume: the config differs from the one saved in {out}/config.yaml")
+  import jax
+  if jax.process_count() > 1:  # every process checks the directory before any writes to it
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("mhc-jax train: run directory checked")
   setup = prepare(cfg)
   print(f"run directory: {out}", flush=True)
   try:

@@ -28,7 +28,7 @@ from mhc_jax import data, logs, spikes
 from mhc_jax.model import Transformer, count_params
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.checkpoint import Checkpoints
-from mhc_jax.train.config import Config, ConfigError, save_config, with_data_vocab
+from mhc_jax.train.config import Config, ConfigError, DistConfig, save_config, with_data_vocab
 from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import abstract_state, create_state
 from mhc_jax.train.step import make_eval_step, make_train_step
@@ -49,8 +49,12 @@ class Setup:
   mesh: jax.sharding.Mesh
 
 
-def prepare(cfg: Config) -> Setup:
-  """Everything that can fail on bad input, before any file is written (ConfigError)."""
+def prepare(cfg: Config, devices=None) -> Setup:
+  """Everything that can fail on bad input, before any file is written (ConfigError).
+
+  ``devices``: the devices the mesh spans (default all, ``jax.devices()``), e.g.
+  ``jax.devices()[:1]`` for a one-device run in a process that has more.
+  """
   try:
     source = data.make_source(cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
                               **cfg.data.options)
@@ -62,7 +66,7 @@ def prepare(cfg: Config) -> Setup:
                       f"({source.vocab_size})")
   if cfg.data.target == "posterior" and not source.has_posterior:
     raise ConfigError(f"data.target: 'posterior' needs a task with an exact posterior")
-  mesh = sh.make_mesh(cfg.mesh, cfg.data.batch_size)
+  mesh = sh.make_mesh(cfg.mesh, cfg.data.batch_size, devices)
   return Setup(cfg, source, mesh)
 
 
@@ -122,11 +126,17 @@ def _to_host(tree) -> dict:
   return out
 
 
+_RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints")
+
+
 def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
   """Train one run into ``run_dir``; returns the summary (also written to summary.json)."""
   cfg, source, mesh = setup.cfg, setup.source, setup.mesh
   run_dir = Path(run_dir)
   main = jax.process_index() == 0
+  if main and not resume and any((run_dir / n).exists() for n in _RUN_FILES):
+    raise FileExistsError(f"{run_dir} already holds a run; resume=True continues it "
+                          f"(runs are never overwritten)")
   t_start = time.perf_counter()
   model = Transformer(cfg.model)
   steps = cfg.train.steps
@@ -135,7 +145,9 @@ def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: boo
   state, shard = create_state(model, example, tx, mesh, cfg.train.seed)
   if main:
     run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    # without `dist`: coordinator and process id are the launch's (MHC_* variables, flags),
+    # and a saved process id would make every process of a resumed run process 0
+    save_config(dataclasses.replace(cfg, dist=DistConfig()), run_dir / "config.yaml")
   ckpt = Checkpoints(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
   monitor = spikes.SpikeMonitor(window=cfg.train.spike_window, threshold=cfg.train.spike_threshold)
   divergence = spikes.DivergenceRule()
@@ -158,8 +170,9 @@ def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: boo
   tokens = cfg.data.batch_size * cfg.data.seq_len
   bar = _Progress(steps, start, progress and main)
   stop = {"sigterm": False}
+  preempted = _preemption_check()
   old_handler = None
-  if threading_main():
+  if preempted is None and threading_main():
     old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
 
   def host_state(step):
@@ -220,6 +233,8 @@ def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: boo
       if message:
         status = "halted"
         break
+      if preempted is not None and preempted(step):
+        stop["sigterm"] = True
       if _due(cfg.train.ckpt_every, step, -1) or stop["sigterm"]:
         if pending is not None:
           message = handle(*pending)
@@ -262,6 +277,18 @@ def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: boo
   if status == "preempted":
     raise Preempted(message)
   return summary if main else {}
+
+
+def _preemption_check():
+  """Several processes must save a SIGTERM checkpoint at the same step, or the first one to
+  save waits in the save for the others while they wait in the next step for it. There, JAX's
+  preemption service (it catches SIGTERM on every process) picks a step all of them reach:
+  returns ``step -> bool``, to be called at every step. None in a single process (a plain
+  SIGTERM handler does) or when the service is off."""
+  if jax.process_count() == 1 or not jax.config.jax_enable_preemption_service:
+    return None
+  from jax.experimental import multihost_utils
+  return multihost_utils.reached_preemption_sync_point
 
 
 def threading_main() -> bool:

@@ -36,9 +36,9 @@ def make_loss(model, cfg):
     layer_probes, out_probe = probes if probes is not None else (None, None)
     logits, aux = model.apply(params, batch["inputs"], layer_probes, out_probe)
     loss, z = token_loss(logits, batch, cfg.data.target)
+    if "plant" in batch:  # fault injection: the loss (as logged) is NaN at a chosen step
+      loss = loss * jnp.mean(batch["plant"])
     total = loss + cfg.train.z_loss * z
-    if "plant" in batch:                      # fault injection: NaN at a chosen step
-      total = total * jnp.mean(batch["plant"])
     return total, (loss, z, aux)
   return loss_fn
 
@@ -109,7 +109,7 @@ def make_eval_step(model, cfg):
       fm = posterior.fidelity_metrics(batch, logits)
       for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece"):
         out[f"eval/{k}"] = fm[k]
-      out["eval/kl_bits_by_position"] = fm["kl_bits_by_position"]
+      out["eval/kl_bits_by_pos"] = fm["kl_bits_by_position"]
       if "kl_bits_by_evidence" in fm:
         out["eval/kl_bits_by_evidence"] = fm["kl_bits_by_evidence"]
     return out

@@ -1,0 +1,113 @@
+"""The training loop, in-process on the 8 simulated CPU devices: the same loss curve on every
+mesh as on one device; a skipped non-finite step leaves the parameters untouched. The CLI
+(bad input, halt, kills and resumes, metric names) is in test_train_cli.py; two processes
+under jax.distributed in test_multiprocess.py.
+
+Runs are tiny (depth 1, width 16, seq_len 16, batch 8, a few steps); each train() call costs
+one compilation of the step, which is most of a test's time.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from mhc_jax import logs
+from mhc_jax.train.config import load_config
+from mhc_jax.train.loop import prepare, train
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = ROOT / "configs" / "debug.yaml"
+
+MIXER_OPTIONS = {"residual": {}, "hc": {"n": 2}, "mhc": {"n": 2}}
+MESHES = [(8, 1, 1), (2, 4, 1), (2, 2, 2)]  # (data, fsdp, tensor) over the 8 devices
+# float32; the meshes differ only in the order of reductions. Loss and gradient norm agree to
+# ~1e-7. The parameter norm gets 1e-4: at initialisation mHC's static biases (b_pre, b_res) have
+# gradients of 1e-8..1e-10 (the n streams start as identical copies), the size of Adam's eps,
+# where Adam turns rounding differences into update differences of a fair fraction of lr
+# (~1e-5 of the norm after 5 steps). A sharding bug moves all three by far more.
+RTOL = {"loss": 1e-5, "grad_norm": 1e-5, "param_norm": 1e-4}
+
+
+def tiny(*overrides):
+  """configs/debug.yaml (depth 1, width 16, seq_len 16, batch 8) without diagnostics/eval."""
+  return load_config(DEBUG, ["train.diag_every=0", "train.eval_every=0", *overrides])
+
+
+def records(run_dir) -> list[dict]:
+  return logs.read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+def series(run_dir, key: str) -> np.ndarray:
+  return np.array([r[key] for r in records(run_dir)], np.float64)
+
+
+def restore_state(run_dir, step: int) -> dict:
+  return ocp.StandardCheckpointer().restore(Path(run_dir) / "checkpoints" / str(step) / "state")
+
+
+@pytest.fixture
+def fast_compile():
+  """XLA without most optimisations: ~30% less compile time, which is most of a tiny run."""
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  yield
+  jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixer", list(MIXER_OPTIONS))
+def test_same_loss_curve_on_every_mesh_as_on_one_device(mixer, tmp_path, fast_compile):
+  assert len(jax.devices()) == 8, "conftest.py gives the session 8 simulated CPU devices"
+  base = [f"model.mixer={mixer}", f"model.mixer_options={json.dumps(MIXER_OPTIONS[mixer])}"]
+  one = tiny(*base, "mesh.data=1")
+  train(prepare(one, devices=jax.devices()[:1]), tmp_path / "1x1x1", progress=False)
+  ref = {k: series(tmp_path / "1x1x1", k) for k in RTOL}
+  assert len(ref["loss"]) == one.train.steps and np.isfinite(ref["loss"]).all()
+  assert ref["loss"][-1] < ref["loss"][0]  # it trains
+
+  for d, f, t in MESHES:
+    cfg = tiny(*base, f"mesh.data={d}", f"mesh.fsdp={f}", f"mesh.tensor={t}")
+    setup = prepare(cfg)
+    assert dict(setup.mesh.shape) == {"data": d, "fsdp": f, "tensor": t}
+    run = tmp_path / f"{d}x{f}x{t}"
+    train(setup, run, progress=False)
+    for key, want in ref.items():
+      np.testing.assert_allclose(series(run, key), want, rtol=RTOL[key], atol=0,
+                                 err_msg=f"{mixer} {key} on mesh {d}x{f}x{t} vs one device")
+
+
+def test_nonfinite_skip_leaves_parameters_unchanged_and_counts(tmp_path, fast_compile):
+  k = 2  # the loss is made NaN at step k; checkpoints after every step keep states k, k+1, k+2
+  cfg = tiny("train.steps=4", f"train.inject_nonfinite_at={k}", "train.nonfinite=skip",
+             "train.ckpt_every=1", "train.keep_ckpts=3", "mesh.data=1")
+  summary = train(prepare(cfg, devices=jax.devices()[:1]), tmp_path, progress=False)
+
+  assert summary["status"] == "done" and summary["steps"] == 4 and summary["nonfinite"] == 1
+  loss, pnorm = series(tmp_path, "loss"), series(tmp_path, "param_norm")
+  assert [r["step"] for r in records(tmp_path)] == [0, 1, 2, 3]
+  assert math.isnan(loss[k]) and np.isfinite(np.delete(loss, k)).all()
+  assert series(tmp_path, "nonfinite").tolist() == [0, 0, 1, 1]
+  assert pnorm[k] == pnorm[k - 1] and pnorm[k + 1] != pnorm[k]  # skipped, then trains on
+  events = logs.read_jsonl(tmp_path / "events.jsonl")
+  assert [e["step"] for e in events if e["kind"] == "nonfinite"] == [k]
+
+  # state after k updates vs after the bad step: parameters and optimiser state identical
+  before, after, later = (restore_state(tmp_path, s) for s in (k, k + 1, k + 2))
+  assert int(after["step"]) == k + 1 and int(after["nonfinite"]) == 1
+  jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
+  jax.tree.map(np.testing.assert_array_equal, after["opt_state"], before["opt_state"])
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(later["params"]))
+  assert not all(np.array_equal(a, b) for a, b in
+                 zip(jax.tree.leaves(later["params"]), jax.tree.leaves(after["params"])))
+
+  # a finished run is never overwritten: without resume=True, train() refuses and writes nothing
+  files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  with pytest.raises(FileExistsError, match="already holds a run"):
+    train(prepare(cfg, devices=jax.devices()[:1]), tmp_path, progress=False)
+  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
