@@ -30,3 +30,16 @@ def test_scalars_and_layers_round_trip(tmp_path):
   tags = {(v.tag, round(v.simple_value, 6), e.step) for e in _read_events(path)
           for v in e.summary.value}
   assert tags == {("loss", 1.5, 3), ("gain_fwd/layer_00", 1.0, 3), ("gain_fwd/layer_01", 2.0, 3)}
+
+
+def test_training_run_writes_event_files(tmp_path):
+  import jax
+
+  from mhc_jax.train.config import load_config
+  from mhc_jax.train.loop import prepare, train
+  cfg = load_config("configs/debug.yaml", ["train.tensorboard=true", "train.steps=2",
+                                           "optim.warmup_steps=0"])
+  train(prepare(cfg, devices=jax.devices()[:1]), tmp_path / "run", progress=False)
+  (path,) = glob.glob(str(tmp_path / "run" / "tb" / "events.out.tfevents.*"))
+  tags = {v.tag for e in _read_events(path) for v in e.summary.value}
+  assert {"loss", "grad_norm", "lr"} <= tags

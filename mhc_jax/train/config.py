@@ -423,6 +423,7 @@ class TrainConfig(_Section):
     spike_threshold: float = 6.0  # in standard deviations of the trailing window
     halt_on_divergence: bool = False
     population: Optional[dict] = None
+    tensorboard: bool = False  # also write TensorBoard event files to <run>/tb (extra: tb)
     # Fault injection for testing the non-finite policy: the loss at this step is made NaN.
     inject_nonfinite_at: int = -1
 

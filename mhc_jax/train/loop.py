@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from mhc_jax import data, logs, spikes
 from mhc_jax.model import Transformer, count_params
+from mhc_jax.tb import TBWriter
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.checkpoint import Checkpoints
 from mhc_jax.train.config import Config, ConfigError, DistConfig, save_config, with_data_vocab
@@ -167,6 +168,7 @@ def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: boo
   eval_fn = jax.jit(make_eval_step(model, cfg), out_shardings=sh.replicated(mesh))
   metrics_w = logs.JsonlWriter(run_dir / "metrics.jsonl") if main else None
   events_w = logs.JsonlWriter(run_dir / "events.jsonl") if main else None
+  tb_w = TBWriter(run_dir / "tb") if main and cfg.train.tensorboard else None
   tokens = cfg.data.batch_size * cfg.data.seq_len
   bar = _Progress(steps, start, progress and main)
   stop = {"sigterm": False}
@@ -201,6 +203,8 @@ def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: boo
     if main:
       if step % cfg.train.log_every == 0 or step == steps - 1 or "gain_fwd" in rec or evals:
         metrics_w.write({"step": step, **rec})
+        if tb_w is not None:
+          tb_w.write({"step": step, **rec})
       for e in events:
         events_w.write(e)
     last["loss"] = rec["loss"]
@@ -264,6 +268,8 @@ def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: boo
     if main:
       metrics_w.close()
       events_w.close()
+      if tb_w is not None:
+        tb_w.close()
       summary = {
           "status": status, "message": message, "steps": int(state.step) if status != "failed"
           else step, "final_loss": last["loss"], "wall_s": time.perf_counter() - t_start,
