@@ -22,7 +22,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow"
 
 demo: $(STAMP)
-	$(VENV)/bin/mhc-jax train --config configs/quickstart.yaml
+	$(VENV)/bin/mhc-jax sweep configs/sweeps/quickstart.yaml
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py

@@ -1,0 +1,377 @@
+"""Sweep files and their expansion into runs, validated before anything is written.
+
+A sweep file (``configs/sweeps/*.yaml``) has these keys::
+
+    name: depth_hc_vs_mhc          # the sweep directory is sweeps_out/<name> by default
+    base: configs/quickstart.yaml  # optional; relative to the sweep file, the cwd or the repo root
+    set:                           # optional; dotted overrides applied to every run
+      train.steps: 300
+      optim.clip: 0
+    axes:                          # dotted key -> list of values; the runs are their product
+      model.mixer: [hc, mhc]
+      model.depth: [32, 64]
+    population: [optim.lr]         # optional; axes trained together as one vmapped program
+
+Runs are named from their axis values, ``mixer=hc,depth=32`` (the last part of each dotted
+key, or the whole key where two axes share a last part; values as YAML scalars, floats in
+``%g``, mappings as ``k-v_k-v``, lists as ``a-b``; characters outside ``[A-Za-z0-9._+=,-]`` become ``_``), in the order of the product
+(the last axis varies fastest). ``set`` may also be a list of ``KEY=VALUE`` strings; nested
+mappings in it are flattened to dotted keys, so they merge into the base config.
+
+Every run's config is validated (types, ranges, cross-section checks, data paths) by
+:func:`load_sweep`; a bad axis value raises ConfigError naming ``axes.<key>``, a bad ``set``
+value ``set.<key>``. :func:`prepare_runs` then runs ``train.loop.prepare`` on each (data
+source options, vocabulary, mesh against the devices), still before any file is written.
+
+:func:`dry_run_table` estimates each run's size and cost. Training FLOPs are
+
+    FLOPs = steps * B * T * (6 * N + 12 * L * T * C)
+
+with ``N`` = non-embedding parameters + ``V * C`` (the output projection; the embedding
+lookup itself is free), ``L`` blocks, ``T`` sequence length, ``C`` width. ``6 N`` per token
+is the usual forward + backward cost of the matrix multiplies (Kaplan et al. 2020); the
+attention term counts the two ``T x T`` products (``QK^T`` and ``AV``, ``2 T C`` FLOPs each
+per token and layer forward, x3 for training) over the full unmasked square, as executed.
+Sinkhorn iterations, norms, softmax and evaluation are not counted.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mhc_jax.train.config import (
+    Config, ConfigError, apply_overrides, check_paths, from_dict, parse_override, to_dict,
+    yaml_load,
+)
+
+__all__ = ["Run", "Sweep", "POPULATION_KEYS", "SWEEP_KEYS", "load_sweep", "expand", "run_names",
+           "prepare_runs", "population_groups", "dry_run_table", "train_flops", "param_counts"]
+
+SWEEP_KEYS = ("name", "base", "set", "axes", "population", "description")
+#: Axes that leave every shape alone, so runs differing only in them can share one program.
+POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+  name: str
+  overrides: dict   # axis key -> value, in axis order
+  cfg: Config       # validated (vocabulary not yet resolved: see prepare_runs)
+
+
+@dataclasses.dataclass
+class Sweep:
+  name: str
+  path: Path | None          # the sweep file
+  base_path: Path | None     # the resolved base config file
+  set: dict                  # dotted overrides for every run (file `set`, then --set)
+  axes: dict                 # dotted key -> list of values
+  population: tuple          # population axes (subset of axes and of POPULATION_KEYS)
+  base_config: dict          # base + set, validated, as a nested dict
+  runs: list                 # [Run]
+
+  def run(self, name: str) -> Run:
+    return next(r for r in self.runs if r.name == name)
+
+
+# ------------------------------------------------------------------------------------------
+# Reading the file.
+
+def _flatten_set(value: Any, key: str = "set") -> dict:
+  """`set` as {dotted key: value}: a mapping (nested ones flattened) or KEY=VALUE strings."""
+  if value is None:
+    return {}
+  if isinstance(value, str):
+    value = [value]
+  if isinstance(value, (list, tuple)):
+    out = {}
+    for item in value:
+      k, v = parse_override(item)
+      out[k] = v
+    return out
+  if not isinstance(value, Mapping):
+    raise ConfigError(f"{key}: expected a mapping of dotted keys to values, got {value!r}")
+  out = {}
+  for k, v in value.items():
+    if not isinstance(k, str) or not k:
+      raise ConfigError(f"{key}: keys must be dotted config keys, got {k!r}")
+    if isinstance(v, Mapping) and v:
+      for kk, vv in _flatten_set(v, f"{key}.{k}").items():
+        out[f"{k}.{kk}"] = vv
+    else:
+      out[k] = v
+  return out
+
+
+def _resolve_base(base: Any, sweep_path: Path | None) -> Path:
+  if not isinstance(base, str) or not base:
+    raise ConfigError(f"base: expected a path to a config YAML, got {base!r}")
+  p = Path(base).expanduser()
+  if p.is_absolute():
+    cands = [p]
+  else:
+    cands = ([sweep_path.parent / p] if sweep_path else []) + [Path.cwd() / p, _REPO_ROOT / p]
+  for c in cands:
+    if c.is_file():
+      return c
+  raise ConfigError(f"base: {base} not found (looked in: {', '.join(str(c.parent) for c in cands)})")
+
+
+def _read_base(path: Path) -> dict:
+  try:
+    d = yaml_load(path.read_text(encoding="utf-8"))
+  except Exception as e:  # noqa: BLE001 - any YAML/IO problem is bad input
+    raise ConfigError(f"base: cannot read {path}: {e}") from None
+  if d is None:
+    return {}
+  if not isinstance(d, dict):
+    raise ConfigError(f"base: {path} must hold a mapping of config sections")
+  return d
+
+
+def _err_key(e: ConfigError) -> str:
+  return str(e).split(":", 1)[0].strip()
+
+
+def _validate(d: Mapping) -> Config:
+  cfg = from_dict(d)
+  check_paths(cfg)
+  return cfg
+
+
+def load_sweep(path: str | os.PathLike | None = None, cli_set: Any = (), *,
+               data: Mapping | None = None) -> Sweep:
+  """Read, expand and validate a sweep (from `path`, or from the mapping `data`).
+
+  `cli_set` (``--set`` strings) is applied after the file's ``set``. Raises ConfigError.
+  """
+  sweep_path = Path(path).resolve() if path is not None else None
+  if data is None:
+    if sweep_path is None or not sweep_path.is_file():
+      raise ConfigError(f"sweep file {path}: not found")
+    try:
+      data = yaml_load(sweep_path.read_text(encoding="utf-8"))
+    except Exception as e:  # noqa: BLE001
+      raise ConfigError(f"sweep file {path}: invalid YAML: {e}") from None
+  if not isinstance(data, Mapping):
+    raise ConfigError(f"sweep file {path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
+  for k in data:
+    if k not in SWEEP_KEYS:
+      raise ConfigError(f"{k}: unknown sweep key (known: {', '.join(SWEEP_KEYS)})")
+  default_name = sweep_path.stem if sweep_path else "sweep"
+  name = data.get("name", default_name)
+  if not isinstance(name, str) or not name or _UNSAFE.search(name):
+    raise ConfigError(f"name: expected a file-name-safe string, got {name!r}")
+
+  base_path = _resolve_base(data["base"], sweep_path) if data.get("base") is not None else None
+  base = _read_base(base_path) if base_path else {}
+  base = apply_overrides(base, {"name": name})
+  overrides = _flatten_set(data.get("set"))
+  for k, v in _flatten_set(list(cli_set), "--set").items():
+    overrides[k] = v
+  base_cfg_dict = apply_overrides(base, overrides)
+  base_config = to_dict(_validate_with(base, overrides, "set", "", f"base {base_path}"))
+
+  axes = data.get("axes") or {}
+  if not isinstance(axes, Mapping):
+    raise ConfigError(f"axes: expected a mapping of dotted keys to lists of values, got {axes!r}")
+  axes = dict(axes)
+  for k, vals in axes.items():
+    if not isinstance(k, str) or not k or any(not p for p in k.split(".")):
+      raise ConfigError(f"axes: malformed dotted key {k!r}")
+    if not isinstance(vals, list) or not vals:
+      raise ConfigError(f"axes.{k}: expected a non-empty list of values, got {vals!r}")
+    if len({json.dumps(v, sort_keys=True) for v in vals}) != len(vals):
+      raise ConfigError(f"axes.{k}: repeated values in {vals!r}")
+  pop = data.get("population") or []
+  if isinstance(pop, str):
+    pop = [pop]
+  if not isinstance(pop, list):
+    raise ConfigError(f"population: expected a list of axis keys, got {pop!r}")
+  for k in pop:
+    if k not in POPULATION_KEYS:
+      raise ConfigError(f"population.{k}: cannot be trained as a population (only axes that "
+                        f"change no shape can: {', '.join(POPULATION_KEYS)})")
+    if k not in axes:
+      raise ConfigError(f"population.{k}: not an axis of this sweep (axes: {', '.join(axes)})")
+
+  runs = [Run(n, ov, _validate_run(base_cfg_dict, ov, n)) for n, ov in expand(axes)]
+  return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs)
+
+
+def _validate_run(base: Mapping, overrides: Mapping, name: str) -> Config:
+  return _validate_with(base, overrides, "axes", f" (run {name})")
+
+
+def _validate_with(base: Mapping, overrides: Mapping, label: str, where: str,
+                   base_label: str | None = None) -> Config:
+  """`base` + `overrides` validated, or ConfigError naming ``<label>.<key>``: the override at
+  fault (the one the error names, else the one without which the config is valid); where no
+  override is at fault, `base_label` (if given) is named instead."""
+  try:
+    return _validate(apply_overrides(base, overrides))
+  except ConfigError as e:
+    err = e
+  key = _err_key(err)
+  culprits = [k for k in overrides if key == k or key.startswith(k + ".") or k.startswith(key + ".")]
+  if not culprits:
+    for k in overrides:
+      rest = {kk: vv for kk, vv in overrides.items() if kk != k}
+      try:
+        _validate(apply_overrides(base, rest))
+        culprits.append(k)
+        break
+      except ConfigError:
+        continue
+  if not culprits and base_label is not None:
+    raise ConfigError(f"{base_label}: {err}") from None
+  k = culprits[0] if culprits else next(iter(overrides), None)
+  if k is None:
+    raise err
+  raise ConfigError(f"{label}.{k}: value {overrides[k]!r}{where}: {err}") from None
+
+
+# ------------------------------------------------------------------------------------------
+# Names and the grid.
+
+def _fmt_value(v: Any) -> str:
+  if isinstance(v, bool) or v is None:
+    return json.dumps(v)
+  if isinstance(v, float):
+    return format(v, "g")
+  if isinstance(v, dict):
+    return "_".join(f"{k}-{_fmt_value(x)}" for k, x in sorted(v.items())) or "none"
+  if isinstance(v, list):
+    return "-".join(_fmt_value(x) for x in v) or "none"
+  return str(v)
+
+
+def _short_keys(keys: list[str]) -> dict[str, str]:
+  lasts = [k.rsplit(".", 1)[-1] for k in keys]
+  return {k: (last if lasts.count(last) == 1 else k) for k, last in zip(keys, lasts)}
+
+
+def run_names(axes: Mapping[str, list]) -> list[str]:
+  """The run names of the grid of `axes`, in product order."""
+  return [n for n, _ in expand(axes)]
+
+
+def expand(axes: Mapping[str, list]) -> list[tuple[str, dict]]:
+  """[(name, {axis key: value})] for the product of the axes (last axis fastest)."""
+  keys = list(axes)
+  if not keys:
+    return [("base", {})]
+  short = _short_keys(keys)
+  out, seen = [], {}
+  for combo in itertools.product(*(axes[k] for k in keys)):
+    ov = dict(zip(keys, combo))
+    name = ",".join(f"{short[k]}={_fmt_value(v)}" for k, v in ov.items())
+    name = _UNSAFE.sub("_", name)
+    if len(name) > 200:
+      name = name[:180] + "_" + hashlib.sha256(name.encode()).hexdigest()[:10]
+    if name in seen:
+      raise ConfigError(f"axes: runs {seen[name]} and {ov} get the same name {name!r}; "
+                        f"make the values distinct")
+    seen[name] = ov
+    out.append((name, ov))
+  return out
+
+
+def population_groups(sweep: Sweep, names: list[str] | None = None) -> list[list[Run]]:
+  """Runs grouped into populations: same values on every non-population axis. Without
+  ``population`` every run is its own group. `names` restricts to those runs (order kept)."""
+  runs = [r for r in sweep.runs if names is None or r.name in names]
+  if not sweep.population:
+    return [[r] for r in runs]
+  groups: dict[str, list[Run]] = {}
+  for r in runs:
+    key = json.dumps({k: v for k, v in r.overrides.items() if k not in sweep.population},
+                     sort_keys=True)
+    groups.setdefault(key, []).append(r)
+  return list(groups.values())
+
+
+# ------------------------------------------------------------------------------------------
+# Preparation (data sources, vocabulary, mesh) and the dry-run estimate.
+
+def prepare_runs(sweep: Sweep) -> dict:
+  """{run name: train.loop.Setup}; ConfigError (naming the run) on the first bad one."""
+  from mhc_jax.train.loop import prepare
+  setups, cache = {}, {}
+  for r in sweep.runs:
+    key = json.dumps(to_dict(r.cfg), sort_keys=True, default=str)
+    try:
+      setups[r.name] = cache[key] if key in cache else prepare(r.cfg)
+    except ConfigError as e:
+      k = _err_key(e)
+      axis = next((a for a in r.overrides if k == a or k.startswith(a + ".")), None)
+      where = f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis else f"run {r.name}"
+      raise ConfigError(f"{where}: {e}") from None
+    cache[key] = setups[r.name]
+  return setups
+
+
+def param_counts(model_cfg) -> dict:
+  """Closed-form parameter counts (vocab resolved); jax.eval_shape of the init where a mixer
+  has no closed form."""
+  from mhc_jax.model.params import expected_params
+  try:
+    return expected_params(model_cfg)
+  except ValueError:
+    import jax
+    import jax.numpy as jnp
+
+    from mhc_jax.model import Transformer, count_params
+    shapes = jax.eval_shape(lambda: Transformer(model_cfg).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
+    import flax.linen as nn
+    return count_params(nn.meta.unbox(shapes))
+
+
+def train_flops(cfg: Config, params: Mapping | None = None) -> float:
+  """Estimated training FLOPs of a run (formula in the module docstring)."""
+  m = cfg.model
+  params = params or param_counts(m)
+  n = params["non_embedding"] + m.vocab * m.width
+  t = cfg.data.seq_len
+  per_token = 6 * n + 12 * m.depth * t * m.width
+  return float(cfg.train.steps) * cfg.data.batch_size * t * per_token
+
+
+def dry_run_table(sweep: Sweep, setups: Mapping):
+  """A DataFrame: run, population group, params, non-embedding params, tokens, train FLOPs."""
+  import pandas as pd
+  group_of = {}
+  for i, g in enumerate(population_groups(sweep)):
+    for r in g:
+      group_of[r.name] = i if len(g) > 1 else None
+  rows = []
+  for r in sweep.runs:
+    cfg = setups[r.name].cfg
+    p = param_counts(cfg.model)
+    rows.append({"run": r.name, "population": group_of[r.name], "params": p["total"],
+                 "non_embedding": p["non_embedding"],
+                 "tokens": cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len,
+                 "train_flops": train_flops(cfg, p)})
+  df = pd.DataFrame(rows)
+  if not sweep.population:
+    df = df.drop(columns=["population"])
+  return df
+
+
+def format_flops(x: float) -> str:
+  if not math.isfinite(x) or x <= 0:
+    return str(x)
+  exp = int(math.floor(math.log10(x) / 3))
+  exp = max(0, min(exp, 5))
+  return f"{x / 10 ** (3 * exp):.3g}{['', 'k', 'M', 'G', 'T', 'P'][exp]}"
