@@ -44,9 +44,9 @@ from mhc_jax.model import Transformer, count_params
 from mhc_jax.sweep.grid import POPULATION_KEYS
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.checkpoint import Checkpoints
-from mhc_jax.train.config import Config, ConfigError, save_config, to_dict
-from mhc_jax.train.loop import (Preempted, RunHalted, Setup, _due, _is_diag, host_batch,
-                                threading_main)
+from mhc_jax.train.config import Config, ConfigError, DistConfig, save_config, to_dict
+from mhc_jax.train.loop import (Preempted, RunHalted, Setup, _due, _is_diag, _preemption_check,
+                                host_batch, threading_main)
 from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import State, abstract_state, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
@@ -253,7 +253,7 @@ def train_population(setups: Sequence[Setup], run_dirs: Sequence[str | Path], re
       if start is None and d.exists():
         shutil.rmtree(d)   # a fresh start: nothing of an earlier attempt may remain
       d.mkdir(parents=True, exist_ok=True)
-      save_config(c, d / "config.yaml")
+      save_config(dataclasses.replace(c, dist=DistConfig()), d / "config.yaml")  # as train() does
   _sync("population-dirs")
   ckpts = [Checkpoints(d / "checkpoints", keep=cfg.train.keep_ckpts) for d in run_dirs]
   monitors = [spikes.SpikeMonitor(window=cfg.train.spike_window,
@@ -279,14 +279,19 @@ def train_population(setups: Sequence[Setup], run_dirs: Sequence[str | Path], re
           logs.truncate_after(d / name, start - 1)
   metrics_w = [logs.JsonlWriter(d / "metrics.jsonl") if main else None for d in run_dirs]
   events_w = [logs.JsonlWriter(d / "events.jsonl") if main else None for d in run_dirs]
+  tb_w = [None] * n
+  if main and cfg.train.tensorboard:
+    from mhc_jax.tb import TBWriter
+    tb_w = [TBWriter(d / "tb") for d in run_dirs]
   tokens = cfg.data.batch_size * cfg.data.seq_len
   active = np.ones(n, bool)
   status = ["done"] * n
   message = [""] * n
   last = {"time": time.perf_counter(), "loss": [math.nan] * n, "eval": [{} for _ in range(n)]}
   stop = {"sigterm": False}
+  preemption = _preemption_check()   # multi-process: a SIGTERM step all processes agree on
   old_handler = None
-  if threading_main():
+  if preemption is None and threading_main():
     old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
   every = max(1, steps // 10)
 
@@ -327,6 +332,8 @@ def train_population(setups: Sequence[Setup], run_dirs: Sequence[str | Path], re
       if main:
         if step % cfg.train.log_every == 0 or step == steps - 1 or "gain_fwd" in rec or evals:
           metrics_w[i].write({"step": step, **rec})
+          if tb_w[i] is not None:
+            tb_w[i].write({"step": step, **rec})
         for e in events:
           events_w[i].write(e)
       last["loss"][i] = rec["loss"]
@@ -351,6 +358,9 @@ def train_population(setups: Sequence[Setup], run_dirs: Sequence[str | Path], re
       if main:
         metrics_w[i].close()
         events_w[i].close()
+        if tb_w[i] is not None:
+          tb_w[i].close()
+          tb_w[i] = None
 
   def save_all(force=False):
     for i, ck in enumerate(ckpts):
@@ -377,6 +387,8 @@ def train_population(setups: Sequence[Setup], run_dirs: Sequence[str | Path], re
       if sync:
         apply_halts(handle(*pending))
         pending = None
+      if preemption is not None and preemption(step):
+        stop["sigterm"] = True
       if _due(cfg.train.ckpt_every, step, -1) or stop["sigterm"]:
         if pending is not None:
           apply_halts(handle(*pending))
@@ -401,6 +413,8 @@ def train_population(setups: Sequence[Setup], run_dirs: Sequence[str | Path], re
       for i, d in enumerate(run_dirs):
         metrics_w[i].close()
         events_w[i].close()
+        if tb_w[i] is not None:
+          tb_w[i].close()
         member = None
         if status[i] != "failed":
           try:
