@@ -328,3 +328,13 @@ def test_rerunning_a_finished_sweep_does_nothing(tiny_sweep):
   assert "all 3 runs are finished (3 done, 0 failed); nothing to do" in third["out"]
   assert "starting" not in third["out"] and "resuming" not in third["out"]
   assert tiny_sweep["manifest_unchanged"]
+
+
+SWEEP_FILES = sorted((Path(__file__).resolve().parents[1] / "configs" / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
+def test_every_shipped_sweep_file_expands_and_validates(path):
+  sweep = grid.load_sweep(path)
+  assert len(sweep.runs) >= 2
+  assert path.read_text().lstrip().startswith("#")  # the header says how to run it, its cost

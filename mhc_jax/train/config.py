@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import glob
 import hashlib
 import json
 import math
@@ -281,6 +282,8 @@ def _check_mixer_options(mixer: str, opts: dict) -> dict:
         if check is not None and not check(v):
             raise ConfigError(f"{prefix}.{k}: {what}, got {v!r}")
         out[k] = v
+    if mixer == "residual" and out.get("n", 1) != 1:
+        raise ConfigError(f"{prefix}.n: the residual mixer has exactly one stream, got {out['n']}")
     return out
 
 
@@ -635,18 +638,21 @@ def _read_yaml(path: str) -> dict:
 
 
 def check_paths(cfg: Config) -> None:
-    """Filesystem checks: a text/tfds task's data path must exist (ConfigError otherwise)."""
+    """Filesystem checks: a text/tfds task's data path (file, folder or glob) must exist.
+
+    A text task without a path reads the default corpus (the Python standard library sources).
+    """
     opts = cfg.data.options
-    if cfg.data.task == "text":
-        _require("path" in opts or "data_dir" in opts, "data.options.path",
-                 "required for data.task='text' (a text file or directory)")
     if cfg.data.task in ("text", "tfds"):
         for name in ("path", "data_dir"):
             if name in opts:
                 p = opts[name]
                 key = f"data.options.{name}"
                 _require(isinstance(p, str) and bool(p), key, f"expected a path, got {_show(p)}")
-                _require(os.path.exists(os.path.expanduser(p)), key, f"{p} does not exist")
+                p = os.path.expanduser(p)
+                found = glob.glob(p) if glob.has_magic(p) else os.path.exists(p)
+                _require(bool(found), key, f"{p} does not exist" if not glob.has_magic(p)
+                         else f"{p} matches no files")
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Any = (), *,
