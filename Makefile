@@ -24,8 +24,10 @@ test-fast: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/mhc-jax sweep configs/sweeps/quickstart.yaml
 
-bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+bench: $(STAMP)  # measurements, not tests: each prints medians after warm-up
+	$(PY) benchmarks/compile_time.py
+	$(PY) benchmarks/sinkhorn_bench.py
+	$(PY) benchmarks/population_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
