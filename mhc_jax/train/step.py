@@ -55,7 +55,7 @@ def make_train_step(model, tx, schedule, cfg):
       probes = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape[2:], jnp.float32))
     (total, (loss, z, aux)), (grads, g_probe) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(state.params, probes, batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
