@@ -37,6 +37,11 @@ def rms_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
   return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
 
 
+def param(mod: nn.Module, name: str, init, shape, axes) -> jax.Array:
+  """A float32 parameter of ``mod`` with logical axis names (mixer coefficients stay fp32)."""
+  return mod.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
 def token_mean(a: jax.Array, lead: int) -> jax.Array:
   """Average the first ``lead`` (token) axes of a coefficient array."""
   return jnp.mean(a.astype(jnp.float32), axis=tuple(range(lead))) if lead else a.astype(jnp.float32)
@@ -99,6 +104,5 @@ class Collapse(nn.Module):
       return x_BTnC.sum(axis=-2)
     if self.kind != "learned":
       raise ValueError(f"collapse: expected 'sum' or 'learned', got {self.kind!r}")
-    w = self.param("b_collapse", nn.with_logical_partitioning(nn.initializers.ones, ("streams",)),
-                   (self.n,), jnp.float32)
+    w = param(self, "b_collapse", nn.initializers.ones, (self.n,), ("streams",))
     return jnp.einsum("i,...ic->...c", w, x_BTnC.astype(jnp.float32)).astype(x_BTnC.dtype)

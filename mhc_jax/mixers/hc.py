@@ -13,11 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mhc_jax.mixers.base import Mixer, make_stats, mix, read, rms_norm
-
-
-def _param(mod, name, init, shape, axes):
-  return mod.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm
 
 
 class HyperConnection(Mixer):
@@ -30,19 +26,19 @@ class HyperConnection(Mixer):
     n, c = x_BTnC.shape[-2:]
     if n != self.n:
       raise ValueError(f"hc: configured for n={self.n} streams, got state with n={n}")
-    a_m = _param(self, "b_read", lambda k, s, d: jax.nn.one_hot(layer % n, n, dtype=d), (n,),
+    a_m = param(self, "b_read", lambda k, s, d: jax.nn.one_hot(layer % n, n, dtype=d), (n,),
                  ("streams",))
-    a_r = _param(self, "b_mix", lambda k, s, d: jnp.eye(n, dtype=d), (n, n), ("streams", None))
-    b = _param(self, "b_write", nn.initializers.ones, (n,), ("streams",))
+    a_r = param(self, "b_mix", lambda k, s, d: jnp.eye(n, dtype=d), (n, n), ("streams", None))
+    b = param(self, "b_write", nn.initializers.ones, (n,), ("streams",))
     if self.dynamic:
       xn = rms_norm(x_BTnC)                                             # [B,T,n,C]
       zeros = nn.initializers.zeros
-      w_m = _param(self, "w_read", zeros, (c,), ("embed",))
-      w_r = _param(self, "w_mix", zeros, (c, n), ("embed", "streams"))
-      w_b = _param(self, "w_write", zeros, (c,), ("embed",))
+      w_m = param(self, "w_read", zeros, (c,), ("embed",))
+      w_r = param(self, "w_mix", zeros, (c, n), ("embed", "streams"))
+      w_b = param(self, "w_write", zeros, (c,), ("embed",))
       const = nn.initializers.constant(self.alpha_init)
-      s_a = _param(self, "s_alpha", const, (), ())
-      s_b = _param(self, "s_beta", const, (), ())
+      s_a = param(self, "s_alpha", const, (), ())
+      s_b = param(self, "s_beta", const, (), ())
       a_m = s_a * jnp.tanh(xn @ w_m) + a_m                               # [B,T,n]
       a_r = s_a * jnp.tanh(xn @ w_r) + a_r                               # [B,T,n,n]
       b = s_b * jnp.tanh(xn @ w_b) + b                                   # [B,T,n]

@@ -19,13 +19,9 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from mhc_jax import sinkhorn as sk
-from mhc_jax.mixers.base import Mixer, make_stats, mix, read, rms_norm
+from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm
 
 DIAG_INIT = 0.95  # target diagonal of H_res at initialisation for h_res_init="identity"
-
-
-def _p(mod, name, init, shape, axes):
-  return mod.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
 
 
 class ManifoldHyperConnection(Mixer):
@@ -63,15 +59,17 @@ class ManifoldHyperConnection(Mixer):
     if n != self.n:
       raise ValueError(f"mhc: configured for n={self.n} streams, got state with n={n}")
     r = self.res_size()
-    b_pre = _p(self, "b_pre", nn.initializers.zeros, (n,), ("streams",))
-    b_post = _p(self, "b_post", nn.initializers.zeros, (n,), ("streams",))
-    b_res = _p(self, "b_res", lambda k, s, d: self.res_bias().reshape(s).astype(d), (r,), (None,))
+    b_pre = param(self, "b_pre", nn.initializers.zeros, (n,), ("streams",))
+    b_post = param(self, "b_post", nn.initializers.zeros, (n,), ("streams",))
+    b_res = param(self, "b_res", lambda k, s, d: self.res_bias().reshape(s).astype(d), (r,),
+                  (None,))
     z_pre, z_post, z_res = b_pre, b_post, b_res
     if self.dynamic:
       v = rms_norm(x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,)))          # [B,T,nC]
-      phi = _p(self, "phi", nn.initializers.zeros, (n * c, 2 * n + r), ("streams_embed", None))
+      phi = param(self, "phi", nn.initializers.zeros, (n * c, 2 * n + r), ("streams_embed", None))
       const = nn.initializers.constant(self.alpha_init)
-      a_pre, a_post, a_res = (_p(self, f"alpha_{k}", const, (), ()) for k in ("pre", "post", "res"))
+      a_pre, a_post, a_res = (param(self, f"alpha_{k}", const, (), ())
+                              for k in ("pre", "post", "res"))
       proj = v @ phi                                                     # [B,T,2n+r]
       z_pre = a_pre * proj[..., :n] + b_pre
       z_post = a_post * proj[..., n:2 * n] + b_post
