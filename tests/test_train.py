@@ -51,15 +51,6 @@ def restore_state(run_dir, step: int) -> dict:
   return ocp.StandardCheckpointer().restore(Path(run_dir) / "checkpoints" / str(step) / "state")
 
 
-@pytest.fixture
-def fast_compile():
-  """XLA without most optimisations: ~30% less compile time, which is most of a tiny run."""
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("mixer", list(MIXER_OPTIONS))
 def test_same_loss_curve_on_every_mesh_as_on_one_device(mixer, tmp_path, fast_compile):

@@ -30,15 +30,6 @@ DEBUG = str(ROOT / "configs" / "debug.yaml")
 QUICKSTART = str(ROOT / "configs" / "quickstart.yaml")
 
 
-@pytest.fixture
-def fast_compile():
-  """XLA without most optimisations: ~30% less compile time, which is most of a tiny run."""
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
-
-
 def run_cli(capsys, *argv) -> tuple[int, str, str]:
   rc = cli.main(["train", *argv])
   out, err = capsys.readouterr()
