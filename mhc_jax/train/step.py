@@ -18,11 +18,20 @@ from mhc_jax.model import probe_shape
 from mhc_jax.train.state import State
 
 
+def fit_posterior(batch: dict, vocab: int) -> dict:
+  """Zero-pad the exact posterior to the model's vocabulary (model.vocab may exceed the data's)."""
+  if "posterior" not in batch or batch["posterior"].shape[-1] == vocab:
+    return batch
+  post = batch["posterior"]
+  pad = [(0, 0)] * (post.ndim - 1) + [(0, vocab - post.shape[-1])]
+  return batch | {"posterior": jnp.pad(post, pad)}
+
+
 def token_loss(logits, batch, target: str):
   """Mean cross-entropy over masked positions (sampled target, or the exact posterior)."""
   logp = jax.nn.log_softmax(logits.astype(jnp.float32))
   if target == "posterior":
-    ce = -jnp.sum(batch["posterior"] * logp, axis=-1)
+    ce = -jnp.sum(fit_posterior(batch, logits.shape[-1])["posterior"] * logp, axis=-1)
   else:
     ce = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
   mask = batch["mask"].astype(jnp.float32)
@@ -106,7 +115,7 @@ def make_eval_step(model, cfg):
     loss, _ = token_loss(logits, batch, cfg.data.target)
     out = {"eval/loss": loss}
     if "posterior" in batch:
-      fm = posterior.fidelity_metrics(batch, logits)
+      fm = posterior.fidelity_metrics(fit_posterior(batch, logits.shape[-1]), logits)
       for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece"):
         out[f"eval/{k}"] = fm[k]
       out["eval/kl_bits_by_pos"] = fm["kl_bits_by_position"]
