@@ -144,7 +144,7 @@ def cmd_report(args) -> int:
     raise UsageError(f"report: {path} is not a directory")
   paths = report.write_report(path, args.out)
   table = report.summary_table(path)
-  print(report.to_markdown(table) if hasattr(report, "to_markdown") else table.to_string())
+  print(table.to_string(index=False))
   print(f"report: {paths['index_html']}")
   return 0
 

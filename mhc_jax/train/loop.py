@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import signal
 import sys
 import time
@@ -66,7 +64,7 @@ def prepare(cfg: Config, devices=None) -> Setup:
     raise ConfigError(f"model.vocab: {cfg.model.vocab} is smaller than the data's vocabulary "
                       f"({source.vocab_size})")
   if cfg.data.target == "posterior" and not source.has_posterior:
-    raise ConfigError(f"data.target: 'posterior' needs a task with an exact posterior")
+    raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
   mesh = sh.make_mesh(cfg.mesh, cfg.data.batch_size, devices)
   return Setup(cfg, source, mesh)
 
