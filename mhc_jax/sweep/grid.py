@@ -11,12 +11,22 @@ A sweep file (``configs/sweeps/*.yaml``) has these keys::
       model.mixer: [hc, mhc]
       model.depth: [32, 64]
     population: [optim.lr]         # optional; axes trained together as one vmapped program
+    seeds: 3                       # optional; repeat every grid point over 3 seeds (see below)
 
 Runs are named from their axis values, ``mixer=hc,depth=32`` (the last part of each dotted
 key, or the whole key where two axes share a last part; values as YAML scalars, floats in
 ``%g``, mappings as ``k-v_k-v``, lists as ``a-b``; characters outside ``[A-Za-z0-9._+=,-]`` become ``_``), in the order of the product
 (the last axis varies fastest). ``set`` may also be a list of ``KEY=VALUE`` strings; nested
 mappings in it are flattened to dotted keys, so they merge into the base config.
+
+``seeds: N`` (or an explicit list, ``seeds: [0, 5, 7]``) repeats every grid point over seeds:
+it adds the axis ``train.seed`` (last, so names end in ``,seed=<s>``) with the values
+``s0, s0 + 1, ..., s0 + N - 1`` where ``s0`` is the base config's ``train.seed``, and puts
+``train.seed`` into ``population``: runs that differ only in the seed change no shape, so they
+train as one vmapped program (one compile for all seeds; with a ``population`` of learning
+rates too, the lr x seed grid is one program). To train seeds as separate runs instead, give
+an explicit ``train.seed`` axis and leave it out of ``population``. The report groups runs
+that differ only in the seed (mean and a 95% interval per group, ``report/groups.csv``).
 
 Every run's config is validated (types, ranges, cross-section checks, data paths) by
 :func:`load_sweep`; a bad axis value raises ConfigError naming ``axes.<key>``, a bad ``set``
@@ -55,7 +65,7 @@ from mhc_jax.train.config import (
 __all__ = ["Run", "Sweep", "POPULATION_KEYS", "SWEEP_KEYS", "load_sweep", "expand", "run_names",
            "prepare_runs", "population_groups", "dry_run_table", "train_flops", "param_counts"]
 
-SWEEP_KEYS = ("name", "base", "set", "axes", "population", "description")
+SWEEP_KEYS = ("name", "base", "set", "axes", "population", "seeds", "description")
 #: Axes that leave every shape alone, so runs differing only in them can share one program.
 POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -198,6 +208,11 @@ def load_sweep(path: str | os.PathLike | None = None, cli_set: Any = (), *,
     pop = [pop]
   if not isinstance(pop, list):
     raise ConfigError(f"population: expected a list of axis keys, got {pop!r}")
+  if data.get("seeds") is not None:
+    if "train.seed" in axes:
+      raise ConfigError("seeds: this sweep already has a train.seed axis; give one or the other")
+    axes["train.seed"] = _seed_values(data["seeds"], base_config["train"]["seed"])
+    pop = pop if "train.seed" in pop else [*pop, "train.seed"]
   for k in pop:
     if k not in POPULATION_KEYS:
       raise ConfigError(f"population.{k}: cannot be trained as a population (only axes that "
@@ -207,6 +222,21 @@ def load_sweep(path: str | os.PathLike | None = None, cli_set: Any = (), *,
 
   runs = [Run(n, ov, _validate_run(base_cfg_dict, ov, n)) for n, ov in expand(axes)]
   return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs)
+
+
+def _seed_values(value: Any, first: int) -> list:
+  """The ``seeds`` setting as a list of seeds: N -> first .. first + N - 1, or a list as given."""
+  if isinstance(value, int) and not isinstance(value, bool):
+    if value < 1:
+      raise ConfigError(f"seeds: expected a positive number of seeds, got {value}")
+    return [first + i for i in range(value)]
+  if (isinstance(value, list) and value
+      and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+    if len(set(value)) != len(value):
+      raise ConfigError(f"seeds: repeated seeds in {value!r}")
+    return list(value)
+  raise ConfigError(f"seeds: expected a number of seeds or a list of distinct non-negative integer "
+                    f"seeds, got {value!r}")
 
 
 def _validate_run(base: Mapping, overrides: Mapping, name: str) -> Config:
