@@ -166,6 +166,15 @@ def _batches(source, cfg, n: int, mesh) -> list[dict]:
   return out
 
 
+def pad_vocab(dist: np.ndarray, vocab: int) -> np.ndarray:
+  """Zero-pad distributions over the data's vocabulary to the model's (model.vocab may exceed
+  the data's: the extra tokens get no posterior mass)."""
+  extra = vocab - dist.shape[-1]
+  if extra < 0:
+    raise ValueError(f"model vocabulary {vocab} is smaller than the data's {dist.shape[-1]}")
+  return dist if extra == 0 else np.pad(dist, [(0, 0)] * (dist.ndim - 1) + [(0, extra)])
+
+
 def fidelity(host_batches: list[dict], logits: list[np.ndarray]) -> dict:
   """posterior.fidelity_metrics over all batches at once, plus the uniform-guess KL."""
   import jax
@@ -173,6 +182,7 @@ def fidelity(host_batches: list[dict], logits: list[np.ndarray]) -> dict:
   from mhc_jax import posterior as P
   cat = {k: np.concatenate([b[k] for b in host_batches]) for k in ("posterior", "mask", "evidence")}
   lg = np.concatenate(logits)
+  cat["posterior"] = pad_vocab(cat["posterior"], lg.shape[-1])
   G = int(cat["evidence"].max()) + 1
   fm = jax.device_get(P.fidelity_metrics(cat, lg, num_groups=G))
   # uniform guess over the answer symbols (every token the posterior ever gives mass to)

@@ -101,3 +101,14 @@ def test_eval_text_run_reports_bits_per_byte(tmp_path, capsys, fast_compile):
   assert m["bits_per_byte"] == pytest.approx(m["eval_loss"] / math.log(2))
   assert 0 < m["bits_per_byte"] < 9 and "probes" not in r
   assert "bits/byte" in capsys.readouterr().out
+
+
+def test_eval_model_vocab_larger_than_data_vocab(tmp_path, capsys, fast_compile):
+  """Issue 12, defect 3: model.vocab may exceed the data's vocabulary (the posterior is padded)."""
+  run = tmp_path / "run"
+  _train(run, ["model.vocab=40", "train.steps=2", "train.ckpt_every=0", "model.depth=1"])
+  assert cli.main(["eval", "--run", str(run), "--batches", "1"]) == 0, capsys.readouterr().err
+  m = json.loads((run / "eval.json").read_text())["metrics"]
+  assert _finite(m["kl_bits"]) and m["kl_bits"] > 0
+  # the uniform guess is over the 5 answer values, not over the padded vocabulary
+  assert m["kl_bits_uniform"] < math.log2(5) + 1e-6
