@@ -134,9 +134,22 @@ def _brute_force_filtered(T, E, obs, t):
     return w / w.sum()
 
 
+def _brute_force_prior(T, t):
+    """p(s_t | header) for t >= 1 by enumerating state paths (no observations)."""
+    S = T.shape[0]
+    w = np.zeros(S)
+    for path in itertools.product(range(S), repeat=t):
+        p = 1.0 / S
+        for i in range(1, t):
+            p *= T[path[i - 1], path[i]]
+        w[path[-1]] += p
+    return w
+
+
 @pytest.mark.parametrize("S,K,L", [(2, 3, 6), (3, 2, 5)])
 def test_hmm_predictive_matches_state_path_enumeration(S, K, L):
-    src = make_source("hmm", seq_len=40, seed=11, n_states=S, n_symbols=K, length=L, n_levels=6)
+    src = make_source("hmm", seq_len=40, seed=11, n_states=S, n_symbols=K, length=L, n_levels=6,
+                      predict="observation")
     batch = jax.device_get(src.batch(0, 4))
     h = src.header_len
     for b in range(4):
@@ -170,9 +183,62 @@ def test_hmm_hand_worked_forward():
     np.testing.assert_allclose(np.exp(log_pred[1]), [0.5875, 0.4125], atol=1e-6)
 
 
+@pytest.mark.parametrize("S,K,L,rho", [(2, 3, 6, 0.0), (3, 2, 5, 0.6)])
+def test_hmm_filtered_state_posterior_matches_state_path_enumeration(S, K, L, rho):
+    src = make_source("hmm", seq_len=40, seed=11, n_states=S, n_symbols=K, length=L, n_levels=6,
+                      stickiness=rho)
+    assert src.predict == "state" and src.vocab_size == K + 6 + 3 + S
+    batch = jax.device_get(src.batch(0, 4))
+    h, off = src.header_len, src.state_offset
+    for b in range(4):
+        tok = _tokens(batch, b)
+        T, E = src.parse_header(tok)
+        obs = tok[h : h + L]
+        assert np.all((obs >= 0) & (obs < K)) and np.all(tok[h + L :] == src.pad)
+        for t in range(1, L + 1):
+            pos = h - 1 + t  # the input position holding o_t
+            assert batch["inputs"][b, pos] == obs[t - 1]
+            row = batch["posterior"][b, pos]
+            want = _brute_force_filtered(T, E, obs, t)
+            np.testing.assert_allclose(row[off : off + S], want, atol=1e-5)
+            assert row[:off].sum() == 0 and row.sum() == pytest.approx(1.0, abs=1e-5)
+            assert batch["mask"][b, pos] == 1 and batch["evidence"][b, pos] == t
+            s_t = batch["targets"][b, pos] - off  # the true hidden state, a state label
+            assert 0 <= s_t < S and row[off + s_t] > 0
+            np.testing.assert_allclose(batch["state_posterior"][b, pos], want, atol=1e-5)
+        assert batch["mask"][b].sum() == L and batch["mask"][b, : h].sum() == 0
+
+
+def test_hmm_stickiness_makes_transition_rows_sticky():
+    loose = HMMTask(seq_len=60, seed=0, n_states=3, n_symbols=3)
+    sticky = HMMTask(seq_len=60, seed=0, n_states=3, n_symbols=3, stickiness=0.7)
+    diag = {}
+    for name, src in (("loose", loose), ("sticky", sticky)):
+        b = jax.device_get(src.batch(0, 64))
+        diag[name] = np.mean([np.trace(src.parse_header(_tokens(b, i))[0]) / 3 for i in range(64)])
+    assert diag["loose"] < 0.5 < 0.7 < diag["sticky"]
+
+
+def test_hmm_true_states_are_drawn_from_the_filtered_posterior():
+    """Calibration: state labels given probability p by p(s_t | o_1..t) are the true state with
+    frequency p, so sampled targets (data.target=sample) train towards the posterior."""
+    src = HMMTask(seq_len=60, seed=5, n_states=3, n_symbols=3)
+    b = jax.device_get(src.batch(0, 128))
+    m = b["mask"] > 0
+    p = b["posterior"][m][:, src.answer_slice]  # [N, S]
+    y = np.eye(3)[b["targets"][m] - src.state_offset]
+    bins = np.minimum((p * 5).astype(int), 4)
+    for k in range(5):
+        sel = bins == k
+        if sel.sum() > 400:
+            assert abs(y[sel].mean() - p[sel].mean()) < 0.03, k
+    # label symmetry: averaged over HMMs the filtered posterior is uniform at every step
+    np.testing.assert_allclose(p.mean(0), 1 / 3, atol=0.03)
+
+
 def test_hmm_observations_are_drawn_from_the_header_hmm():
     """Calibration: symbols predicted with probability p occur with frequency p."""
-    src = HMMTask(seq_len=60, seed=5, n_states=3, n_symbols=3)
+    src = HMMTask(seq_len=60, seed=5, n_states=3, n_symbols=3, predict="observation")
     b = jax.device_get(src.batch(0, 128))
     m = b["mask"] > 0
     p = b["posterior"][m][:, :3]  # [N, K]
@@ -185,7 +251,13 @@ def test_hmm_observations_are_drawn_from_the_header_hmm():
 
 
 def test_hmm_layout_and_options():
-    src = HMMTask(seq_len=64, seed=0)
+    src = HMMTask(seq_len=64, seed=0)  # filtering: o_L must be an input
+    assert src.header_len == 52 and src.length == 64 - 52 and src.vocab_size == 5 + 10 + 3 + 5
+    assert src.state_offset == 18 and src.answer_slice == slice(18, 23)
+    b = jax.device_get(src.batch(0, 2))
+    assert b["posterior"].shape == (2, 64, 23) and np.all(b["inputs"] < 18)  # no label in inputs
+    np.testing.assert_allclose(b["posterior"].sum(-1), b["mask"], atol=1e-5)
+    src = HMMTask(seq_len=64, seed=0, predict="observation")
     assert src.header_len == 52 and src.length == 64 + 1 - 52
     assert src.vocab_size == 5 + 10 + 3
     b = jax.device_get(src.batch(0, 2))
@@ -210,5 +282,87 @@ def test_make_source_rejects_bad_names_and_options():
         make_source("hmm", seq_len=20, seed=0)
     with pytest.raises(ValueError, match="alpha"):
         make_source("hmm", seq_len=80, seed=0, alpha=0)
+    with pytest.raises(ValueError, match="predict"):
+        make_source("hmm", seq_len=80, seed=0, predict="states")
+    for rho in (1.0, -0.1, "high", True):
+        with pytest.raises(ValueError, match="stickiness"):
+            make_source("hmm", seq_len=80, seed=0, stickiness=rho)
+    with pytest.raises(ValueError, match="seq_len"):
+        make_source("hmm", seq_len=52, seed=0)  # filtering: header and no observation input
+    assert make_source("hmm", seq_len=52, seed=0, predict="observation").length == 1
     with pytest.raises(ValueError, match="split"):
         make_source("bijection", seq_len=8, seed=0).batch(0, 2, "dev")
+
+
+# ------------------------------------------------------------------------------- baselines
+
+
+def _kl(p, q):
+    m = p > 0
+    return float(np.sum(np.where(m, p * np.log2(np.where(m, p, 1) / np.where(m, q, 1)), 0)))
+
+
+@pytest.mark.parametrize("predict", ["state", "observation"])
+def test_hmm_baselines_match_enumeration(predict):
+    S, K, L = 3, 2, 5
+    src = make_source("hmm", seq_len=40, seed=4, n_states=S, n_symbols=K, length=L, n_levels=6,
+                      predict=predict, stickiness=0.5)
+    batch = jax.device_get(src.batch(0, 3))
+    base = src.baselines(batch["inputs"])
+    assert set(base) == {"uniform", "header_only", "header_blind", "last_obs"}
+    h, ans = src.header_len, src.answer_slice
+    for name, d in base.items():
+        assert d.shape == batch["posterior"].shape, name
+        np.testing.assert_allclose(d.sum(-1), batch["mask"], atol=1e-12, err_msg=name)
+    for b in range(3):
+        tok = _tokens(batch, b)
+        T, E = src.parse_header(tok)
+        obs = tok[h : h + L]
+        for t in (range(1, L + 1) if predict == "state" else range(L)):
+            pos = h - 1 + t
+            got = {k: v[b, pos, ans] for k, v in base.items()}
+            if predict == "state":
+                prior = _brute_force_prior(T, t)
+                last = prior * E[:, obs[t - 1]]
+                want = {"uniform": np.full(S, 1 / S), "header_only": prior,
+                        "header_blind": np.full(S, 1 / S), "last_obs": last / last.sum()}
+            else:
+                prior = _brute_force_prior(T, t + 1)  # p(s_{t+1} | header)
+                if t == 0:
+                    last = prior @ E
+                else:
+                    f = _brute_force_prior(T, t) * E[:, obs[t - 1]]
+                    last = (f / f.sum()) @ T @ E
+                counts = np.bincount(obs[:t], minlength=K)
+                want = {"uniform": np.full(K, 1 / K), "header_only": prior @ E,
+                        "header_blind": (counts + 1) / (t + K), "last_obs": last}
+            for k in want:
+                np.testing.assert_allclose(got[k], want[k], atol=1e-9, err_msg=f"{k} t={t}")
+
+
+def test_hmm_filtering_baselines_leave_headroom():
+    """On filtering, the header-only guess is far from the exact posterior (unlike prediction),
+    and with sticky chains the last-observation guess is too: the history matters."""
+    kls = {}
+    for predict, rho in (("observation", 0.0), ("state", 0.0), ("state", 0.7)):
+        src = HMMTask(seq_len=48, seed=1, n_states=3, n_symbols=3, predict=predict, stickiness=rho)
+        b = jax.device_get(src.batch(0, 64))
+        base = src.baselines(b["inputs"])
+        n = b["mask"].sum()
+        kls[predict, rho] = {k: _kl(b["posterior"].astype(np.float64), v) / n
+                             for k, v in base.items()}
+    pred, filt, sticky = kls["observation", 0.0], kls["state", 0.0], kls["state", 0.7]
+    assert pred["header_only"] < 0.1 * pred["uniform"]  # prediction: the header alone nearly does it
+    assert filt["header_only"] > 0.15 and sticky["header_only"] > 0.15
+    assert filt["header_blind"] == pytest.approx(filt["uniform"])
+    assert sticky["last_obs"] > 2 * 0.1 * sticky["header_only"]  # 1/10 needs the history
+    assert all(v >= 0 for d in kls.values() for v in d.values())
+
+
+def test_bijection_uniform_baseline():
+    src = BijectionTask(seq_len=24, seed=0, n_symbols=6)
+    b = jax.device_get(src.batch(0, 4))
+    u = src.baselines(b["inputs"])["uniform"]
+    assert u.shape == b["posterior"].shape
+    np.testing.assert_allclose(u.sum(-1), b["mask"])
+    np.testing.assert_allclose(u[b["mask"] > 0][:, 6:12], 1 / 6)

@@ -8,7 +8,8 @@ batch `step` is reproducible without any iterator state (that is how checkpoints
 A batch is a dict (see docs/interfaces.md):
 
 - `inputs [B,T] int32`, `targets [B,T] int32`: next-token views of one sequence of T+1 tokens
-  (`inputs = tokens[:-1]`, `targets = tokens[1:]`).
+  (`inputs = tokens[:-1]`, `targets = tokens[1:]`), except that HMM filtering (`predict="state"`)
+  puts the true hidden state's label in `targets` at the supervised positions.
 - `mask [B,T] float32`: 1 at supervised positions.
 - `posterior [B,T,V] float32`: exact posterior over the whole vocabulary for `targets[t]` given
   `inputs[..t]`; zeros outside the answer range and at unsupervised positions.
@@ -16,7 +17,11 @@ A batch is a dict (see docs/interfaces.md):
 - `evidence [B,T] int32`: how much evidence has been seen at a supervised position (task-specific,
   below; 0 at unsupervised positions); the fidelity metrics can be reported as curves over it.
 - HMM only: `state_posterior [B,T,S] float32`, the filtered posterior `p(s_t | o_1..t)` after the
-  observation at that position (uniform initial distribution at the separator).
+  observation at that position (uniform initial distribution at the separator), in both modes.
+
+Every task also has `baselines(inputs) -> {name: [B,T,V] float64}`: exact reference guesses on
+the same positions (numpy), whose KL to the posterior tells how much of a model's score needs
+in-context inference at all (HMM: uniform, header-only, header-blind, last-observation).
 
 Bijection layout (V = n_symbols): keys are tokens `0..V-1`, values `V..2V-1`, then BOS = 2V,
 PAD = 2V+1. Sequence `BOS k1 v1 k2 v2 ... PAD...`; the supervised positions are the keys (the model
@@ -25,14 +30,28 @@ before, else uniform over the V - m values not yet revealed, m = number of disti
 so far (= `evidence`).
 
 HMM layout (S states, K symbols, Q levels): observation tokens `0..K-1`, level tokens `K..K+Q-1`
-(level `l` in 1..Q is token `K + l - 1`), then BOS, SEP, PAD. Sequence
-`BOS T_11..T_SS E_11..E_SK SEP o_1 ... o_L PAD...`: the header writes the transition matrix T and
-the emission matrix E row-major as levels; the HMM actually used is `T_ij = l_ij / sum_j l_ij`
-(likewise E), with levels `clip(round(Q p), 1, Q)` of Dirichlet(alpha) rows, and a uniform initial
-state distribution. Supervised positions are SEP and each observation except the last, with
-target the next observation; the posterior there is the posterior predictive
-`p(o_{t+1} | header, o_1..t)` (forward algorithm in log space), a distribution over the K
-observation tokens, and `evidence` = t, the number of observations seen.
+(level `l` in 1..Q is token `K + l - 1`), then BOS, SEP, PAD, and (`predict="state"`, the default)
+S state-label tokens `K+Q+3 .. K+Q+3+S-1` (state `s` is token `state_offset + s`; they never occur
+in `inputs`, only as answers). Sequence `BOS T_11..T_SS E_11..E_SK SEP o_1 ... o_L PAD...`: the
+header writes the transition matrix T and the emission matrix E row-major as levels; the HMM
+actually used is `T_ij = l_ij / sum_j l_ij` (likewise E), with levels `clip(round(Q p), 1, Q)` of
+Dirichlet(alpha) rows (T's rows mixed with the identity first when `stickiness` > 0), and a
+uniform initial state distribution. What is supervised depends on `predict`:
+
+- `"state"` (default; the wind-tunnel papers' target): **filtering**. Supervised positions are the
+  observations o_1..o_L; at the input position holding o_t the posterior is the filtered
+  posterior over hidden states `p(s_t | header, o_1..t)` (forward algorithm in log space), put on
+  the S state-label tokens, and `evidence` = t. The model is read as an S-way output: its
+  softmax over the whole vocabulary, where every token other than the state labels has posterior
+  mass 0 (so any mass the model puts off the labels counts against it in the KL). `targets` there
+  hold the label of the true hidden state s_t, a sample from exactly that posterior (the model
+  sees only o_1..o_t), which is what `data.target: sample` trains on; elsewhere `targets` are the
+  next tokens, unsupervised.
+- `"observation"`: the next-observation predictive. Supervised positions are SEP and each
+  observation except the last, with target the next observation; the posterior there is
+  `p(o_{t+1} | header, o_1..t)` over the K observation tokens, and `evidence` = t. This target
+  barely needs filtering: for 5 states, 5 symbols and Q = 10 the header-only guess comes within
+  0.002 bits of it (see `HMMTask.baselines`).
 """
 
 from __future__ import annotations
@@ -96,6 +115,9 @@ class WindTunnel:
         return self._sample_jit(self.key_for(step, split), int(batch_size))
 
     def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:  # pragma: no cover
+        raise NotImplementedError
+
+    def baselines(self, inputs) -> dict[str, np.ndarray]:  # pragma: no cover
         raise NotImplementedError
 
 
@@ -199,6 +221,16 @@ class BijectionTask(WindTunnel):
         out.pop("permutation")
         return out
 
+    def baselines(self, inputs) -> dict[str, np.ndarray]:
+        """`uniform`: the uniform guess over the V values at every key position ([B,T,V] float64,
+        zero rows elsewhere). The layout fixes the supervised positions, so `inputs` only gives
+        the shape."""
+        B, T = np.shape(inputs)
+        V = self.n_symbols
+        out = np.zeros((B, T, self.vocab_size))
+        out[:, 1 : 1 + 2 * self.n_pairs : 2, V : 2 * V] = 1.0 / V
+        return {"uniform": out}
+
 
 # ----------------------------------------------------------------------------------------------
 # HMM filtering
@@ -256,13 +288,20 @@ def probs_from_levels(levels: jax.Array) -> jax.Array:
     return levels / jnp.sum(levels, axis=-1, keepdims=True)
 
 
+PREDICT = ("state", "observation")
+
+
 @dataclasses.dataclass
 class HMMTask(WindTunnel):
-    """Next-observation prediction in a fresh HMM per sequence, parameters in a header.
+    """A fresh HMM per sequence, its parameters in a header; filtering (default) or prediction.
 
     Options: `n_states` S (5), `n_symbols` K (5), `length` (observations per sequence; default
     fills the sequence after the header), `alpha` (Dirichlet concentration of the rows, 1.0),
-    `n_levels` Q (discretisation levels of the header, 10).
+    `n_levels` Q (discretisation levels of the header, 10), `predict` ("state": the filtered
+    posterior over hidden states, read from the model as an S-way output on the state-label
+    tokens, the default; "observation": the next-observation predictive), `stickiness` rho in
+    [0, 1) (each transition row is `(1 - rho) Dirichlet + rho e_i` before discretisation: sticky
+    chains make the history matter beyond the last observation; 0 = the papers' generator).
     """
 
     seq_len: int
@@ -272,6 +311,8 @@ class HMMTask(WindTunnel):
     length: int | None = None
     alpha: float = 1.0
     n_levels: int = 10
+    predict: str = "state"
+    stickiness: float = 0.0
 
     def __post_init__(self):
         self.seq_len = _check_int("seq_len", self.seq_len, 2)
@@ -283,21 +324,43 @@ class HMMTask(WindTunnel):
         ):
             raise ValueError(f"option 'alpha' must be a positive number, got {self.alpha!r}")
         self.alpha = float(self.alpha)
+        if self.predict not in PREDICT:
+            raise ValueError(
+                f"option 'predict' must be one of {', '.join(PREDICT)}, got {self.predict!r}"
+            )
+        rho = self.stickiness
+        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (0 <= rho < 1):
+            raise ValueError(f"option 'stickiness' must be a number in [0, 1), got {rho!r}")
+        self.stickiness = float(rho)
         S, K, Q = self.n_states, self.n_symbols, self.n_levels
         self.header_len = 1 + S * S + S * K + 1  # BOS, T, E, SEP
-        max_len = self.seq_len + 1 - self.header_len
+        # filtering needs o_L among the inputs; prediction only as the last target
+        max_len = self.seq_len + (0 if self.predict == "state" else 1) - self.header_len
         if max_len < 1:
             raise ValueError(
                 f"seq_len={self.seq_len} too short for the HMM header ({self.header_len} tokens "
-                f"for n_states={S}, n_symbols={K}); need seq_len >= {self.header_len}"
+                f"for n_states={S}, n_symbols={K}) and one observation; need seq_len >= "
+                f"{self.seq_len - max_len + 1}"
             )
         if self.length is None:
             self.length = max_len
         self.length = _check_int("length", self.length, 1, max_len)
         self.level_offset = K
         self.bos, self.sep, self.pad = K + Q, K + Q + 1, K + Q + 2
-        self.vocab_size = K + Q + 3
+        if self.predict == "state":
+            self.state_offset = K + Q + 3
+            self.vocab_size = K + Q + 3 + S
+        else:
+            self.state_offset = None
+            self.vocab_size = K + Q + 3
         self._init_jit()
+
+    @property
+    def answer_slice(self) -> slice:
+        """The tokens the posterior lives on (state labels, or observation symbols)."""
+        if self.predict == "state":
+            return slice(self.state_offset, self.state_offset + self.n_states)
+        return slice(0, self.n_symbols)
 
     def parse_header(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(T, E) float64 matrices from the header of one token sequence (numpy, for tests/probes)."""
@@ -316,7 +379,10 @@ class HMMTask(WindTunnel):
         sizes = [S * S, S * K, L * S, L * K]
         u = uniform_from_bits(jax.random.bits(k_bits, (sum(sizes),), jnp.uint32))
         u_T, u_E, u_s, u_o = jnp.split(u, np.cumsum(sizes)[:-1])
-        lev_T = levels_from_probs(dirichlet_rows(k_T, self.alpha, u_T.reshape(S, S)), Q)
+        p_T = dirichlet_rows(k_T, self.alpha, u_T.reshape(S, S))
+        if self.stickiness > 0:
+            p_T = (1.0 - self.stickiness) * p_T + self.stickiness * jnp.eye(S)
+        lev_T = levels_from_probs(p_T, Q)
         lev_E = levels_from_probs(dirichlet_rows(k_E, self.alpha, u_E.reshape(S, K)), Q)
         log_T = jnp.log(probs_from_levels(lev_T))
         log_E = jnp.log(probs_from_levels(lev_E))
@@ -348,22 +414,30 @@ class HMMTask(WindTunnel):
                 jnp.full((n_tail,), self.pad),
             ]
         ).astype(jnp.int32)
+        targets = tokens[1:]
 
-        # input positions: SEP at h-1, o_t at h-1+t (t = 1..L); supervised: SEP, o_1..o_{L-1}
+        # input positions: SEP at h-1, o_t at h-1+t (t = 1..L)
         h = self.header_len
-        q_pos = h - 1 + jnp.arange(L)
-        mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
-        posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
-        posterior = posterior.at[q_pos, :K].set(jnp.exp(log_pred[:L]))
-        evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(jnp.arange(L, dtype=jnp.int32))
-        # filtered state posterior after the observation at each input position
         obs_pos = h - 1 + jnp.arange(1, L + 1)
+        posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
+        if self.predict == "state":  # supervised: o_1..o_L, answer s_t
+            q_pos = obs_pos
+            posterior = posterior.at[q_pos, self.answer_slice].set(jnp.exp(log_filt))
+            targets = targets.at[q_pos].set(self.state_offset + states.astype(jnp.int32))
+            evidence_L = jnp.arange(1, L + 1, dtype=jnp.int32)
+        else:  # supervised: SEP, o_1..o_{L-1}, answer o_{t+1}
+            q_pos = h - 1 + jnp.arange(L)
+            posterior = posterior.at[q_pos, :K].set(jnp.exp(log_pred[:L]))
+            evidence_L = jnp.arange(L, dtype=jnp.int32)
+        mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
+        evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(evidence_L)
+        # filtered state posterior after the observation at each input position
         state_post = jnp.zeros((T + 1, S), jnp.float32)
         state_post = state_post.at[h - 1].set(jnp.exp(log_pi0))
         state_post = state_post.at[obs_pos].set(jnp.exp(log_filt))[:T]
         return {
             "inputs": tokens[:-1],
-            "targets": tokens[1:],
+            "targets": targets,
             "mask": mask,
             "posterior": posterior,
             "entropy": entropy_bits(posterior) * mask,
@@ -373,3 +447,75 @@ class HMMTask(WindTunnel):
 
     def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
         return jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
+
+    # ------------------------------------------------------------------------------ baselines
+
+    BASELINES = ("uniform", "header_only", "header_blind", "last_obs")
+
+    def baselines(self, inputs) -> dict[str, np.ndarray]:
+        """Exact reference guesses at the supervised positions of `inputs [B,T]` (numpy float64,
+        `[B,T,V]`, zero rows elsewhere), each from a restricted view of the sequence:
+
+        - `uniform`: uniform over the answer tokens (S state labels, or K symbols).
+        - `header_only`: reads the header, ignores every observation: the prior marginal
+          `p(s_t | header) = pi0 T^(t-1)` (prediction: `pi0 T^t E`). With Dirichlet(1) rows and
+          `predict="observation"` this is within ~0.002 bits of the exact target, which is why
+          prediction does not test filtering.
+        - `header_blind`: ignores the header, reads the observations. Filtering: the uniform guess,
+          which is the best any header-blind guess can do in expectation, because the prior over
+          HMMs is symmetric in the state labels (only the header ties a label to a state).
+          Prediction: add-one (Laplace) counts of o_1..o_t.
+        - `last_obs`: reads the header and only the latest observation:
+          `p(s_t | header, o_t) ∝ p(s_t | header) E[s_t, o_t]` (prediction: that, moved one step
+          by T and emitted by E; the prior predictive at SEP). Whatever a model gains over this
+          needs the history, i.e. filtering proper.
+        """
+        inputs = np.asarray(inputs)
+        B, T = inputs.shape
+        S, K, L, h = self.n_states, self.n_symbols, self.length, self.header_len
+        lv = inputs[:, 1 : h - 1].astype(np.float64) - self.level_offset + 1
+        Tm = lv[:, : S * S].reshape(B, S, S)
+        Em = lv[:, S * S :].reshape(B, S, K)
+        Tm, Em = Tm / Tm.sum(-1, keepdims=True), Em / Em.sum(-1, keepdims=True)
+        n_obs = L if self.predict == "state" else L - 1  # observations among the inputs
+        obs = inputs[:, h : h + n_obs].astype(np.int64)  # o_1..o_n
+        # prior marginals m[t] = p(s_{t+1} | header), t = 0..L
+        m = np.empty((L + 1, B, S))
+        m[0] = 1.0 / S
+        for t in range(L):
+            m[t + 1] = np.einsum("bs,bsr->br", m[t], Tm)
+        m = np.moveaxis(m, 0, 1)  # [B, L+1, S]
+        e_obs = np.take_along_axis(Em, obs[:, None, :], axis=2)  # [B, S, n]: E[s, o_t]
+        e_obs = np.moveaxis(e_obs, 1, 2)  # [B, n, S]
+        last = m[:, :n_obs] * e_obs  # p(s_t | header, o_t), t = 1..n
+        last /= last.sum(-1, keepdims=True)
+        if self.predict == "state":
+            ans = self.answer_slice
+            pos = h - 1 + np.arange(1, L + 1)
+            dists = {
+                "uniform": np.full((B, L, S), 1.0 / S),
+                "header_only": m[:, :L],
+                "header_blind": np.full((B, L, S), 1.0 / S),
+                "last_obs": last,
+            }
+        else:
+            ans = slice(0, K)
+            pos = h - 1 + np.arange(L)
+            counts = np.zeros((B, L, K))
+            onehot = np.eye(K)[obs]  # [B, L-1, K]
+            counts[:, 1:] = np.cumsum(onehot, axis=1)
+            nxt = np.einsum("bts,bsr->btr", last, Tm)  # p(s_{t+1} | header, o_t)
+            dists = {
+                "uniform": np.full((B, L, K), 1.0 / K),
+                "header_only": np.einsum("bts,bsk->btk", m[:, :L], Em),
+                "header_blind": (counts + 1.0) / (np.arange(L)[None, :, None] + K),
+                "last_obs": np.concatenate(
+                    [np.einsum("bs,bsk->bk", m[:, 0], Em)[:, None],
+                     np.einsum("bts,bsk->btk", nxt, Em)], axis=1),
+            }
+        out = {}
+        for name, d in dists.items():
+            full = np.zeros((B, T, self.vocab_size))
+            full[:, pos, ans] = d
+            out[name] = full
+        return out
