@@ -8,9 +8,15 @@ records as separate lines at the same step, ``events.jsonl`` from the real host-
 
 * ``hc`` composite Amax gain compounds with depth and training; ``mhc`` stays near 1 with a
   small Sinkhorn column error; ``residual`` is exactly 1.
+* ``gain_metrics="new"`` (default) also writes the per-token composites
+  (``amax_*_composite_tok_mean`` / ``_tok_max``: for ``hc`` well above the token-averaged
+  composite and growing faster with depth, for ``mhc`` the per-token backward gain above 1 where
+  the averaged one is ~1), the attenuation ``amin_*_composite`` and the suffix products
+  ``amax_*_suffix``; ``gain_metrics="old"`` leaves them out, as logs written before they existed.
 * ``spike=(mixer, depth, lr, step)`` plants a loss/grad-norm spike at that step.
 * ``diverge=(mixer, depth, lr, step)`` makes that run blow up: loss grows x1.6 per step, then
-  NaN with an inf grad norm; the run halts a few steps later (status failed / halted).
+  NaN with an inf grad norm; the run halts once the real ``DivergenceRule`` has declared
+  divergence and at least 8 steps after ``step`` (status failed / halted).
 * ``pending`` adds a run that never started (manifest only), ``failed_empty`` a run that
   failed before logging anything (config.yaml only).
 """
@@ -50,6 +56,8 @@ def write_run(
     diverge_at: int | None = None,
     n_streams: int = 4,
     wind_tunnel: bool = True,
+    gain_metrics: str = "new",
+    kl_scale: float = 1.0,
 ) -> dict[str, Any]:
     """Write one run directory; returns ``{"status", "steps"}`` (manifest status)."""
     run_dir = Path(run_dir)
@@ -91,7 +99,10 @@ def write_run(
             if not (math.isfinite(loss) and math.isfinite(grad)):
                 nonfinite += 1
                 ew.write({"step": step, "kind": "nonfinite", "value": loss, "threshold": math.nan})
-            events, score = monitor.update(step, loss, grad)
+            if hasattr(monitor, "skip") and not (math.isfinite(loss) and math.isfinite(grad)):
+                events, score = monitor.skip(step)  # the trainer's path for a non-finite step
+            else:
+                events, score = monitor.update(step, loss, grad)
             ew.write_many(events)
             if rule.update(loss) and rule.reason and status == "done":
                 status = "failed"
@@ -118,6 +129,17 @@ def write_run(
                 gain = 1.0 + (0.6 if mixer == "hc" else 0.3) / (np.arange(nl) + 1) * (0.5 + prog)
                 gain = gain * (1 + 0.02 * rng.standard_normal(nl))
                 grad_rms = 1e-3 * np.cumprod(np.full(nl, 1.05))[::-1]
+                if mixer == "residual":
+                    tok_f = tok_b = np.ones(nl)
+                    tok_fmax = tok_bmax = np.ones(nl)
+                elif mixer == "hc":  # token-to-token variation compounds: averaging hides it
+                    tok_f = comp_f * (1 + 0.04 * prog * np.arange(1, nl + 1))
+                    tok_b = comp_b * (1 + 0.05 * prog * np.arange(1, nl + 1))
+                    tok_fmax, tok_bmax = tok_f * (1.3 + 0.1 * rng.random()), tok_b * (1.4 + 0.1 * rng.random())
+                else:  # per-token rows exact; per-token columns off by the Sinkhorn truncation
+                    tok_f, tok_fmax = np.ones(nl), np.ones(nl)
+                    tok_b = 1.0 + 0.004 * np.arange(1, nl + 1) * (1 + 0.1 * rng.random())
+                    tok_bmax = 1.0 + 0.02 * np.arange(1, nl + 1) * (1 + 0.1 * rng.random())
                 per = {
                     "gain_fwd": gain, "branch_ratio": 0.3 / np.sqrt(np.arange(nl) + 1),
                     "grad_rms": grad_rms, "gain_bwd": np.append(grad_rms[:-1] / grad_rms[1:], math.nan),
@@ -126,20 +148,29 @@ def write_run(
                     "log_colsum_max": np.abs(np.log(comp_b)),
                     "sinkhorn_err": np.full(nl, 1e-4 if mixer.startswith("mhc") else 0.0),
                 }
+                if gain_metrics == "new":
+                    per.update({
+                        "amax_fwd_composite_tok_mean": tok_f, "amax_fwd_composite_tok_max": tok_fmax,
+                        "amax_bwd_composite_tok_mean": tok_b, "amax_bwd_composite_tok_max": tok_bmax,
+                        "amin_fwd_composite": 1.0 / comp_f if mixer == "hc" else np.ones(nl),
+                        "amin_bwd_composite": (1.0 / comp_b if mixer == "hc" else 2.0 - comp_b),
+                        "amax_fwd_suffix": np.cumprod(amax[::-1])[::-1],
+                        "amax_bwd_suffix": np.cumprod(amax_b[::-1])[::-1],
+                    })
                 if bad:
                     per = {k: np.full(nl, math.nan) for k in per}
                 rec.update({k: np.asarray(v, dtype=np.float32) for k, v in per.items()})
                 rec["attn_logit_max"] = 5.0 + rng.random(depth)
                 rec["layer_grad_norm"] = 0.1 + rng.random(depth)
                 rec.update(out_logit_max=8.0, logsumexp_mean=3.0, logsumexp_max=4.0,
-                           growth_exponent=math.nan if bad else float(np.log(np.prod(gain)) / depth),
+                           growth_exponent=math.nan if bad else float(np.log(np.prod(gain)) / nl),
                            growth_exponent_grad=-0.05)
             mw.write(rec)
             if wind_tunnel and (step % eval_every == 0 or step == steps):
-                kl = max(1e-3, (loss - floor) / math.log(2)) if math.isfinite(loss) else math.nan
+                kl = max(1e-3, kl_scale * (loss - floor) / math.log(2)) if math.isfinite(loss) else math.nan
                 mw.write({"step": step, "eval/loss": loss, "eval/kl_bits": kl, "eval/entropy_gap_bits": 0.5 * kl,
                           "eval/accuracy": 0.9, "eval/ece": 0.02, "eval/kl_bits_by_pos": [kl] * 6})
-            if halt_at is not None and step >= halt_at:
+            if halt_at is not None and step >= halt_at and status == "failed":  # halted once diverged
                 last = step
                 break
     summary = {"status": "halted" if status == "failed" else "done", "steps": last, "final_loss": loss,
@@ -162,6 +193,7 @@ def make_sweep(
     pending: bool = True,
     failed_empty: bool = False,
     wind_tunnel: bool = True,
+    gain_metrics: str = "new",
 ) -> Path:
     """A sweep directory over mixers x depths (x widths x lrs x seeds where > 1 value)."""
     root = Path(root)
@@ -185,7 +217,7 @@ def make_sweep(
                         info = write_run(root / "runs" / name, mixer=m, depth=d, width=w, lr=lr, seed=s,
                                          steps=steps, spike_at=spike[3] if hit(spike) else None,
                                          diverge_at=diverge[3] if hit(diverge) else None,
-                                         wind_tunnel=wind_tunnel)
+                                         wind_tunnel=wind_tunnel, gain_metrics=gain_metrics)
                         runs[name] = {"status": info["status"], "overrides": ov, "dir": f"runs/{name}"}
     if pending:
         ov = {"model.mixer": "mhc_lite", "model.depth": depths[0]}

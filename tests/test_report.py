@@ -1,4 +1,5 @@
 """Sweep report (mhc_jax.sweep.report / plots) on synthetic run directories (tests/fixtures_logs.py)."""
+import html
 import json
 import math
 import re
@@ -12,7 +13,11 @@ from fixtures_logs import make_sweep, raw_records, write_run
 from mhc_jax.sweep import plots
 from mhc_jax.sweep.report import (
     COLUMN_DOCS,
+    COMPOSITE_SENTENCES,
+    GROUP_METRICS,
+    LATER_COLUMNS,
     _axis_columns,
+    finding,
     lr_sensitivity_table,
     summarize_run,
     summary_table,
@@ -82,8 +87,10 @@ def test_cells_recomputed_from_raw_files(sweep):
     assert df.loc[SPIKED, "spike_count"] >= 1 and df.loc[SPIKED, "max_grad_norm"] > 5
     div = df.loc[DIVERGED]
     assert math.isnan(div["final_loss"]) and div["max_grad_norm"] == math.inf
-    assert div["status"] == "failed" and div["nonfinite"] == 4
-    assert "loss non-finite from step 75" in div["note"] and "divergence at step 75" in div["note"]
+    raw = raw_records(root / "runs" / DIVERGED / "events.jsonl")
+    div_step = next(e["step"] for e in raw if e["kind"] == "divergence")
+    assert div["status"] == "failed" and div["nonfinite"] == sum(e["kind"] == "nonfinite" for e in raw) >= 4
+    assert "loss non-finite from step 75" in div["note"] and f"divergence at step {div_step}" in div["note"]
     assert math.isfinite(div["min_loss"]) and math.isfinite(div["amax_fwd_composite_max"])
 
 
@@ -230,3 +237,222 @@ def test_plots_skip_what_is_not_there(tmp_path):
     colors = plots.mixer_colors(["zeta", "mhc", "residual", "alpha"])
     assert list(colors) == ["residual", "mhc", "alpha", "zeta"]
     assert colors == plots.mixer_colors(["alpha", "zeta", "mhc", "residual"])  # order-independent
+
+
+# =========================================================================== seeds, intervals
+SEEDS = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    root = make_sweep(tmp_path_factory.mktemp("seeded"), mixers=("residual", "hc", "mhc"), depths=(2, 4), lrs=None,
+                      seeds=SEEDS, steps=60, spike=None, diverge=None, pending=False)
+    return root, write_report(root)
+
+
+def _final_loss_raw(run_dir):
+    losses = [r["loss"] for r in raw_records(run_dir / "metrics.jsonl") if "loss" in r]
+    k = max(1, math.ceil(len(losses) / 20))
+    return sum(losses[-k:]) / k
+
+
+def _whole_depth_max_raw(run_dir, metric):
+    return max(r[metric][-1] for r in raw_records(run_dir / "metrics.jsonl") if metric in r)
+
+
+def test_groups_csv_interval_recomputed_from_raw_logs(seeded):
+    from test_stats import ref_ci  # the stdlib-only Student t reference
+
+    root, paths = seeded
+    groups = pd.read_csv(paths["groups_csv"])
+    for m in GROUP_METRICS:
+        assert {f"{m}_mean", f"{m}_ci_lo", f"{m}_ci_hi"} <= set(groups.columns), m
+    assert len(groups) == 6 and set(groups["n_seeds"]) == {3} and "seed" not in groups.columns
+    row = groups[(groups["mixer"] == "hc") & (groups["depth"] == 4)].iloc[0]
+    runs = [root / "runs" / f"hc_L4_C32_lr0.01_s{s}" for s in SEEDS]
+    want = ref_ci([_final_loss_raw(r) for r in runs])
+    assert (row["final_loss_mean"], row["final_loss_ci_lo"], row["final_loss_ci_hi"]) == pytest.approx(want, rel=1e-4)
+    assert row["final_loss_ci_lo"] < row["final_loss_mean"] < row["final_loss_ci_hi"]
+    want = ref_ci([_whole_depth_max_raw(r, "amax_bwd_composite_tok_mean") for r in runs])
+    got = tuple(row[f"amax_bwd_composite_tok_mean_max_{s}"] for s in ("mean", "ci_lo", "ci_hi"))
+    assert got == pytest.approx(want, rel=1e-4)
+
+
+def test_paired_csv_recomputed_from_raw_logs(seeded):
+    from test_stats import ref_ci
+
+    root, paths = seeded
+    paired = pd.read_csv(paths["paired_csv"])
+    assert {"mixer_a", "mixer_b", "metric", "n_pairs", "diff_mean", "diff_ci_lo", "diff_ci_hi"} <= set(paired.columns)
+    assert set(zip(paired["mixer_a"], paired["mixer_b"])) == {("residual", "hc"), ("residual", "mhc"), ("hc", "mhc")}
+    row = paired[(paired["depth"] == 2) & (paired["mixer_a"] == "hc") & (paired["mixer_b"] == "mhc")
+                 & (paired["metric"] == "final_loss")].iloc[0]
+    diffs = [_final_loss_raw(root / "runs" / f"mhc_L2_C32_lr0.01_s{s}")
+             - _final_loss_raw(root / "runs" / f"hc_L2_C32_lr0.01_s{s}") for s in SEEDS]
+    assert row["n_pairs"] == 3
+    assert (row["diff_mean"], row["diff_ci_lo"], row["diff_ci_hi"]) == pytest.approx(ref_ci(diffs), rel=1e-4)
+
+
+def test_seed_sections_on_the_page(seeded):
+    root, paths = seeded
+    page = Path(paths["index_html"]).read_text()
+    assert "Groups over seeds" in page and "Student t" in page and 'href="groups.csv"' in page
+    assert "Paired differences between mixers" in page and 'href="paired.csv"' in page
+    md = Path(paths["summary_md"]).read_text()
+    assert re.search(r"\| hc \| 4 \| .*\| 3 \| [0-9.]+ \[[0-9.]+, [0-9.]+\]", md)  # mean [lo, hi] cells
+
+
+def _capture(monkeypatch):
+    figs = []
+    real = plots._save
+
+    def keep(fig, path, dpi):
+        figs.append([(len(ax.collections), len(ax.get_lines())) for ax in fig.axes])
+        return real(fig, path, dpi)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    return figs
+
+
+def _plot_inputs(root):
+    from mhc_jax.logs import load_run
+
+    runs = summary_table(root)
+    frames = [load_run(d).assign(run=n) for n, d in runs.attrs["run_dirs"].items()
+              if (Path(d) / "metrics.jsonl").exists()]
+    for f in frames:
+        f.attrs = {}
+    events = pd.DataFrame(columns=["run", "step", "kind", "value"])
+    return pd.concat(frames, ignore_index=True), runs, events
+
+
+def test_plots_draw_bands_over_seeds(seeded, tmp_path, monkeypatch):
+    figs = _capture(monkeypatch)
+    metrics, runs, events = _plot_inputs(seeded[0])
+    assert plots.loss_curves(metrics, runs, events, tmp_path / "l.png")
+    assert plots.composite_gain_vs_depth(metrics, runs, tmp_path / "a.png")
+    loss_axes, amax_axes = figs
+    for n_coll, n_lines in loss_axes:  # one panel per depth: 3 mixers -> 3 bands and 3 mean lines, not 9
+        assert n_coll == 3 and n_lines == 3
+    assert all(n_coll >= 3 for n_coll, _ in amax_axes)  # a band per mixer (and per composite kind)
+    # without seeds: single lines, no bands
+    root = make_sweep(tmp_path / "one_seed", mixers=("residual", "hc"), depths=(2,), lrs=None, steps=30, spike=None,
+                      diverge=None, pending=False)
+    metrics, runs, events = _plot_inputs(root)
+    assert plots.loss_curves(metrics, runs, events, tmp_path / "l1.png")
+    assert figs[-1] == [(0, 2)]
+
+
+# =========================================================================== per-token composite, old logs
+def test_per_token_and_averaged_composite_side_by_side(seeded):
+    root, paths = seeded
+    df = summary_table(root).set_index("run")
+    cols = list(df.columns)
+    i = cols.index("amax_fwd_composite_max")
+    assert cols[i:i + 3] == ["amax_fwd_composite_max", "amax_fwd_composite_tok_mean_max",
+                             "amax_fwd_composite_tok_max_max"]
+    run = root / "runs" / "hc_L4_C32_lr0.01_s1"
+    row = df.loc[run.name]
+    for col, metric in [("amax_fwd_composite_tok_mean_max", "amax_fwd_composite_tok_mean"),
+                        ("amax_bwd_composite_tok_max_max", "amax_bwd_composite_tok_max"),
+                        ("amax_fwd_composite_max", "amax_fwd_composite")]:
+        assert _same(row[col], _whole_depth_max_raw(run, metric)), col
+    recs = raw_records(run / "metrics.jsonl")
+    amin = [r["amin_bwd_composite"][-1] for r in recs if "amin_bwd_composite" in r]
+    assert _same(row["amin_bwd_composite_min"], min(amin))
+    suffix = [v for r in recs if "amax_fwd_suffix" in r for v in r["amax_fwd_suffix"]]
+    assert _same(row["amax_fwd_suffix_max_all_layers"], max(suffix))
+    assert row["amax_fwd_composite_tok_mean_max"] > row["amax_fwd_composite_max"]  # what averaging hides
+    page = Path(paths["index_html"]).read_text()
+    for sentence in COMPOSITE_SENTENCES.values():
+        assert html.escape(sentence) in page
+    assert "per-token" in Path(paths["summary_md"]).read_text()
+
+
+def test_old_logs_show_the_new_metrics_as_missing(tmp_path):
+    root = make_sweep(tmp_path, mixers=("hc", "mhc"), depths=(2,), lrs=None, steps=30, spike=None, diverge=None,
+                      pending=False, gain_metrics="old")
+    paths = write_report(root)
+    df = summary_table(root)
+    for c in LATER_COLUMNS:
+        assert df[c].isna().all(), c
+    assert all(set(v) == set(LATER_COLUMNS) for v in df.attrs["not_logged"].values())
+    assert all("not logged: per-token composite, amin composite, suffix products" in n for n in df["note"])
+    assert np.isfinite(df["amax_fwd_composite_max"]).all()  # the old columns are still there
+    md = Path(paths["summary_md"]).read_text()
+    hc_line = next(ln for ln in md.splitlines() if ln.startswith("| hc_L2"))
+    assert hc_line.split(" | ").count("n/a") == len(LATER_COLUMNS) and "NaN" not in hc_line
+    page = Path(paths["index_html"]).read_text()
+    assert page.count('<td class="na"') == len(LATER_COLUMNS) * 2 and "written before these metrics existed" in page
+    groups = pd.read_csv(paths["groups_csv"])
+    assert groups["amax_fwd_composite_tok_mean_max_mean"].isna().all()
+
+
+def test_growth_exponent_label_counts_mixer_layers():
+    # train/step.py diag_metrics divides ln(RMS ratio) by 2L (mixer layers), not by L (blocks)
+    doc = COLUMN_DOCS["growth_exponent"]
+    assert "(1/(2L))" in doc and "(1/L)" not in doc
+
+
+# =========================================================================== the sentence
+def _table(rows, cols=("run", "mixer", "depth", "seed", "status", "steps", "final_loss", "kl_bits", "spike_count",
+                       "amax_fwd_composite_max", "amax_fwd_composite_tok_mean_max")):
+    return pd.DataFrame(rows, columns=list(cols))
+
+
+def _rows(spec, seeds=(0,)):
+    """spec: {(mixer, depth): (final_loss, kl, spikes, amax_avg, amax_tok)} -> table rows."""
+    rows = []
+    for (m, d), (fl, kl, sp, av, tok) in spec.items():
+        for s in seeds:
+            jitter = 1 + 0.001 * s
+            rows.append((f"{m}_{d}_{s}", m, d, s, "done", 100, fl * jitter, kl * jitter, sp, av, tok * jitter))
+    return rows
+
+
+def test_finding_says_who_learned():
+    a = finding(_table(_rows({("residual", 4): (1.0, 0.05, 0, 1.0, 1.0), ("hc", 4): (2.0, 2.1, 0, 1.0, 1.0)})))
+    b = finding(_table(_rows({("residual", 4): (2.0, 2.1, 0, 1.0, 1.0), ("hc", 4): (1.0, 0.05, 0, 1.0, 1.0)})))
+    assert a == "residual learned the task (KL 0.05 bits to the exact posterior) while hc did not (2.1 bits)."
+    assert b.startswith("hc learned the task") and "residual did not" in b and a != b
+
+
+def test_finding_says_whose_gain_grew_with_depth():
+    spec = {("hc", 4): (2.0, 2.0, 0, 1.05, 1.1), ("hc", 16): (2.0, 2.0, 0, 1.6, 9.3),
+            ("mhc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 16): (2.0, 2.0, 0, 1.0, 1.02)}
+    a = finding(_table(_rows(spec)))
+    assert a == ("hc's per-token forward composite gain grew from 1.1 at depth 4 to 9.3 at depth 16 while mhc's "
+                 "stayed within 1.00–1.02.")
+    flipped = {(("mhc" if m == "hc" else "hc"), d): v for (m, d), v in spec.items()}
+    b = finding(_table(_rows(flipped, seeds=(0, 1, 2))))
+    assert b.startswith("mhc's per-token forward composite gain grew") and "hc's stayed" in b
+    assert b.endswith("(means over 3 seeds).")
+    # old logs without the per-token column: the token-averaged composite, named as such
+    old = _table(_rows(spec)).assign(amax_fwd_composite_tok_mean_max=np.nan)
+    assert finding(old).startswith("hc's token-averaged forward composite gain grew from 1.05 at depth 4 to 1.6")
+
+
+def test_finding_loss_needs_an_interval_that_excludes_zero():
+    spec = {("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (1.8, 2.0, 0, 1.0, 1.0)}
+    one = finding(_table(_rows(spec)))
+    assert one == "mhc reached a lower final loss than hc (1.8 vs 2 nats per token)."
+    noisy = _table(_rows(spec, seeds=(0, 1, 2)))
+    noisy.loc[(noisy["mixer"] == "mhc") & (noisy["seed"] == 1), "final_loss"] = 2.6  # seed 1 reverses it
+    assert finding(noisy).startswith("The mixers did not differ clearly: final losses")
+    steady = _table(_rows(spec, seeds=(0, 1, 2)))
+    text = finding(steady)
+    assert text.startswith("mhc reached a lower final loss than hc") and "95% CI [" in text
+
+
+def test_finding_on_edge_cases(seeded):
+    assert finding(_table([])) == "No run has logged metrics yet, so there is nothing to compare."
+    assert finding(_table(_rows({("hc", 4): (2.0, 2.0, 0, 1.0, 1.0)}))).startswith("Only one mixer (hc)")
+    same = finding(_table(_rows({("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (2.01, 2.0, 0, 1.0, 1.0)})))
+    assert same == ("The mixers did not differ clearly: final losses 2.00–2.01 nats, KL 2.00 bits, per-token "
+                    "composite gains 1.00, no spikes.")
+    spikes = finding(_table(_rows({("hc", 4): (2.0, 2.0, 4, 1.0, 1.0), ("mhc", 4): (2.0, 2.0, 0, 1.0, 1.0)})))
+    assert spikes == "hc had 4 loss/gradient spikes in its 1 run while mhc had none."
+    root, paths = seeded
+    text = finding(summary_table(root))
+    assert text.startswith("hc's per-token") and text.endswith("(means over 3 seeds).")
+    assert text in Path(paths["summary_md"]).read_text() and html.escape(text) in Path(paths["index_html"]).read_text()

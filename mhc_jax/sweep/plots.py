@@ -26,8 +26,11 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+
+from mhc_jax.sweep import stats  # noqa: E402
 from matplotlib.colors import LogNorm, to_rgb  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
@@ -50,19 +53,25 @@ _ROLE_COLS = ("run", "mixer", "lr", "seed")
 
 CAPTIONS = {
     "loss_curves": "Training loss (nats per token) against step, {panel_text}. "
-    "Colour = mixer{shade_text}{style_text}. "
+    "Colour = mixer{shade_text}{style_text}.{seed_text} "
     "× marks a detected loss spike (a spike/loss event: loss above the mean + 6σ of the trailing 128 steps); "
     "▼ at the top edge marks the step where a run's loss first became NaN/inf, where its curve stops. "
     "Read: lower and smoother is better; x's and curves that turn upward are instabilities.",
     "grad_norms": "Global gradient norm (L2, before clipping) against step, log scale, {panel_text}. "
-    "Colour = mixer{shade_text}{style_text}. × marks a gradient-norm spike (spike/grad event), ▼ the first "
+    "Colour = mixer{shade_text}{style_text}.{seed_text} × marks a gradient-norm spike (spike/grad event), "
+    "▼ the first "
     "non-finite gradient norm. Read: a flat or slowly falling band is healthy; jumps by a decade or more "
     "usually accompany or precede loss spikes.",
     "amax_vs_depth": "Amax gain of the whole-depth product ∏ H_res (the mHC paper's \"Amax Gain Magnitude\"; "
     "forward = max |row sum|, backward = max |column sum|) at the end of training (last logged finite "
-    "value), against depth L (2L mixer layers; log2 axis when depths span 4x or more). One line per "
-    "mixer; where several runs share a mixer and a depth (other lr, width or seed) the point is their "
-    "median and the bar spans min to max. Log scale; the dotted line is 1 (the residual path neither "
+    "value), against depth L (2L mixer layers; log2 axis when depths span 4x or more). Solid lines: the "
+    "product of the token-averaged H_res (what the paper plots); dashed, where the logs have it: the "
+    "per-token composite (each sampled token's own product, averaged over tokens), which token averaging "
+    "can hide. One line per "
+    "mixer; where several runs of a mixer differ only in the seed, the point is their geometric mean and "
+    "the shaded band the 95% Student t interval over seeds (on log values); where they differ in other "
+    "axes too (lr, width), the point is their median and the bar spans min to max. Log scale; the dotted "
+    "line is 1 (the residual path neither "
     "amplifies nor attenuates). Read: a line that climbs with depth means per-layer gains compound "
     "(unconstrained HC); a flat line at 1 is what the doubly stochastic constraint of mHC buys.",
     "heatmap": "Per-layer gains over training, one figure per run. Left: gain_fwd = RMS(stream out) / "
@@ -76,6 +85,8 @@ CAPTIONS = {
     "{panel_text}; one line per group of runs that differ only in lr, coloured by mixer{style_text}. "
     "X = a run whose final loss is NaN/inf, drawn at the initial loss, which is what it counts as in "
     "Wortsman et al.'s LR sensitivity (LRS, in the legend; the dotted line is the initial loss). "
+    "With seeds, the line is the mean final loss over seeds and the band its 95% Student t interval, an X "
+    "marks an lr where any seed diverged, and the LRS is mean [95% CI] over the seeds' LRS. "
     "Read: a wide flat valley (small LRS) means the mixer trains well over a broad range of lr.",
 }
 
@@ -151,6 +162,9 @@ def describe(runs: pd.DataFrame) -> dict[str, str]:
         "shade_text": "; shade = learning rate (darker = larger)" if _varying(runs, "lr") else "",
         "style_text": f"; line style = {', '.join(styles)}" if styles else "",
         "heatmap_text": "the deepest run of each mixer (ties: the one with the largest composite gain)",
+        "seed_text": (" Where runs differ only in the seed, the line is their mean (geometric mean on a log axis) "
+                      "and the shaded band its 95% Student t interval over the seeds (stopping where any seed "
+                      "has no finite value); × and ▼ mark individual seeds.") if _varying(runs, "seed") else "",
     }
 
 
@@ -205,6 +219,38 @@ def _use_log(values: np.ndarray, ratio: float = 30.0) -> bool:
     return bool(v.size) and v.max() / v.min() >= ratio
 
 
+# =========================================================================== seeds
+def _seed_groups(runs: pd.DataFrame) -> list[pd.DataFrame]:
+    """``runs`` split into groups that differ only in ``seed`` (all runs alone when no seed
+    varies); groups in first-seen order."""
+    if not _varying(runs, "seed"):
+        return [runs.iloc[[i]] for i in range(len(runs))]
+    ids = runs.attrs.get("id_columns") or [c for c in runs.columns if c in ("mixer", "depth", "width", "lr")]
+    cols = [c for c in ids if c in runs.columns and c not in ("run", "seed")]
+    return [g for _, g in stats.split(runs, cols)]
+
+
+def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[np.ndarray, ...]:
+    """(steps, mean, ci_lo, ci_hi) over replicate series (mhc_jax.sweep.stats: Student t, 95%),
+    on log values (geometric mean) when ``log``. A step where any seed is missing or non-finite
+    (or <= 0 on a log axis) is NaN: the line and band stop rather than average fewer seeds."""
+    steps = np.unique(np.concatenate([s for s, _ in series])) if series else np.zeros(0)
+    mat = np.full((len(series), steps.size), np.nan)
+    for i, (s, v) in enumerate(series):
+        idx = np.searchsorted(steps, s)
+        mat[i, idx] = v
+    ok = np.isfinite(mat) & ((mat > 0) if log else True)
+    vals = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
+    n = len(series)
+    with np.errstate(invalid="ignore"):
+        mean = vals.mean(axis=0)
+        half = stats.t_quantile(0.5 + stats.CONFIDENCE / 2, n - 1) * vals.std(axis=0, ddof=1) / math.sqrt(n)
+    lo, hi = mean - half, mean + half
+    if log:
+        mean, lo, hi = np.exp(mean), np.exp(lo), np.exp(hi)
+    return steps, mean, lo, hi
+
+
 # =========================================================================== curves
 def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log, dpi) -> str | None:
     if metrics is None or not len(metrics) or col not in metrics.columns:
@@ -225,32 +271,41 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
     fig, axes = _grid(len(pvals))
     log = log if log is not None else _use_log(allv)
     any_spike = any_nonfinite = False
+    max_band = 0
     for ax, pv in zip(axes, pvals):
         sub = runs if panel is None else runs[runs[panel] == pv]
-        for _, r in sub.iterrows():
-            steps, vals = series[r["run"]]
+        for members in _seed_groups(sub):
+            r = members.iloc[0]
             c = colors[str(r["mixer"]) if "mixer" in r else "run"]
             if lrs and pd.notna(_num(pd.Series([r["lr"]]))[0]):
                 c = _shade(c, lrs.index(_num(pd.Series([r["lr"]]))[0]), len(lrs))
             ls = _STYLES[style_keys.index(tuple(str(r[s]) for s in styles)) % len(_STYLES)]
-            ok = np.isfinite(vals) & ((vals > 0) if log else True)
-            y = np.where(ok, vals, np.nan)  # gaps, never a line through a non-finite point
-            ax.plot(steps, y, color=c, ls=ls, lw=1.4, alpha=0.95)
-            ev = events[(events["run"] == r["run"]) & (events["kind"] == spike_kind)] if len(events) else events
-            if len(ev):
-                lookup = dict(zip(steps, y))
-                pts = [(s, lookup.get(float(s), np.nan)) for s in ev["step"]]
-                pts = [(s, v) for s, v in pts if np.isfinite(v)]
-                if pts:
-                    xs, ys = zip(*pts)
-                    ax.plot(xs, ys, ls="none", marker="x", ms=8, mew=2.0, color=c, zorder=5)
-                    any_spike = True
-            bad = np.flatnonzero(~np.isfinite(vals))
-            if bad.size:
-                tr = blended_transform_factory(ax.transData, ax.transAxes)
-                ax.plot([steps[bad[0]]], [0.97], transform=tr, marker="v", ms=9, color=c, mec="black",
-                        mew=0.6, ls="none", clip_on=False, zorder=6)
-                any_nonfinite = True
+            if len(members) > 1:  # replicate seeds: mean line and 95% band, markers per seed
+                steps, mid, lo, hi = _seed_band([series[n] for n in members["run"]], log)
+                ax.fill_between(steps, lo, hi, color=c, alpha=0.22, lw=0)
+                ax.plot(steps, mid, color=c, ls=ls, lw=1.6, alpha=0.95)
+                max_band = max(max_band, len(members))
+            for name in members["run"]:
+                steps, vals = series[name]
+                ok = np.isfinite(vals) & ((vals > 0) if log else True)
+                y = np.where(ok, vals, np.nan)  # gaps, never a line through a non-finite point
+                if len(members) == 1:
+                    ax.plot(steps, y, color=c, ls=ls, lw=1.4, alpha=0.95)
+                ev = events[(events["run"] == name) & (events["kind"] == spike_kind)] if len(events) else events
+                if len(ev):
+                    lookup = dict(zip(steps, y))
+                    pts = [(s, lookup.get(float(s), np.nan)) for s in ev["step"]]
+                    pts = [(s, v) for s, v in pts if np.isfinite(v)]
+                    if pts:
+                        xs, ys = zip(*pts)
+                        ax.plot(xs, ys, ls="none", marker="x", ms=8, mew=2.0, color=c, zorder=5)
+                        any_spike = True
+                bad = np.flatnonzero(~np.isfinite(vals))
+                if bad.size:
+                    tr = blended_transform_factory(ax.transData, ax.transAxes)
+                    ax.plot([steps[bad[0]]], [0.97], transform=tr, marker="v", ms=9, color=c, mec="black",
+                            mew=0.6, ls="none", clip_on=False, zorder=6)
+                    any_nonfinite = True
         if log:
             ax.set_yscale("log")
         ax.set_title(_panel_title(panel, pv) if panel else title, fontsize=10)
@@ -270,6 +325,8 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
         handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
         handles += [Line2D([], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5,
                            label="  " + ", ".join(k)) for i, k in enumerate(style_keys)]
+    if max_band:
+        handles.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {max_band})"))
     if any_spike:
         handles.append(Line2D([], [], ls="none", marker="x", ms=8, mew=2, color="#333333",
                               label=f"{spike_kind} event"))
@@ -315,16 +372,19 @@ def _layer_matrix(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
 
 def composite_gain_vs_depth(metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110) -> str | None:
     """Whole-depth composite Amax gain (fwd and bwd) at the end of training against depth,
-    one line per mixer (median over the other axes, min-max bars), log y."""
+    one line per mixer (median over the other axes with min-max bars, or the geometric mean
+    with a 95% band where only the seed varies), log y. Solid: token-averaged composite
+    (``amax_*_composite``); dashed, where logged: per-token composite, token mean
+    (``amax_*_composite_tok_mean``)."""
     if metrics is None or not len(metrics):
         return None
     rows = []
     for name, df in metrics.groupby("run", sort=False):
         rr = runs[runs["run"] == name]
         mixer = str(rr["mixer"].iloc[0]) if "mixer" in rr.columns and len(rr) else "run"
-        for d in ("fwd", "bwd"):
+        for d, kind in (("fwd", "avg"), ("bwd", "avg"), ("fwd", "tok"), ("bwd", "tok")):
             # the last layer's (whole-depth) value at the last step where it is finite
-            steps, mat = _layer_matrix(df, f"amax_{d}_composite")
+            steps, mat = _layer_matrix(df, f"amax_{d}_composite" + ("_tok_mean" if kind == "tok" else ""))
             if not steps.size:
                 continue
             whole = mat[-1]
@@ -334,23 +394,41 @@ def composite_gain_vs_depth(metrics: pd.DataFrame, runs: pd.DataFrame, path, *, 
             depth = _num(rr["depth"]).iloc[0] if "depth" in rr.columns and len(rr) else np.nan
             if not np.isfinite(depth):
                 depth = mat.shape[0] / 2
-            rows.append({"mixer": mixer, "dir": d, "depth": float(depth), "value": float(whole[ok[-1]])})
+            rows.append({"mixer": mixer, "dir": d, "kind": kind, "depth": float(depth),
+                         "value": float(whole[ok[-1]]), "run": name})
     if not rows:
         return None
     data = pd.DataFrame(rows)
     colors = mixer_colors(data["mixer"])
+    # a band over seeds where every (mixer, depth) point's runs differ only in the seed
+    groups = _seed_groups(runs[runs["run"].isin(set(data["run"]))]) if _varying(runs, "seed") else []
+    keys = [(str(_mixer_of(g).iloc[0]), str(g["depth"].iloc[0]) if "depth" in g.columns else "") for g in groups]
+    banded = len(set(keys)) == len(keys) and any(len(g) > 1 for g in groups)
+    same_cell = data.groupby(["mixer", "dir", "kind", "depth"])["run"].nunique()
+    kinds = [k for k in ("avg", "tok") if (data["kind"] == k).any()]
     fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), sharey=True)
     fig.subplots_adjust(left=0.1, right=0.98, bottom=0.14, top=0.84, wspace=0.06)
     for ax, d, name in zip(axes, ("fwd", "bwd"), ("forward (max |row sum|)", "backward (max |column sum|)")):
         ax.axhline(1.0, color="#888888", ls=":", lw=1)
-        for i, m in enumerate(colors):  # earlier mixers bigger and below: coinciding lines stay visible
-            g = data[(data["mixer"] == m) & (data["dir"] == d)].groupby("depth")["value"]
+        for i, (kind, m) in enumerate((k, m) for k in kinds for m in colors):
+            # earlier mixers bigger and below: coinciding lines stay visible
+            g = data[(data["mixer"] == m) & (data["dir"] == d) & (data["kind"] == kind)].groupby("depth")["value"]
             if not len(g):
+                continue
+            j = i % len(colors)
+            style = dict(color=colors[m], marker="o" if kind == "avg" else "s", ms=max(4.0, 10 - 1.5 * j),
+                         lw=max(1.2, 3.5 - 0.6 * j), ls="-" if kind == "avg" else "--",
+                         zorder=2 + j + (0.5 if kind == "tok" else 0))
+            if banded:
+                band = g.apply(lambda v: _log_ci(v.to_numpy(dtype=float)))
+                x = band.index.to_numpy()
+                mid, lo, hi = (np.array([b[k] for b in band]) for k in range(3))
+                ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0, zorder=1)
+                ax.plot(x, mid, **style)
                 continue
             med, lo, hi = g.median(), g.min(), g.max()
             x = med.index.to_numpy()
-            ax.errorbar(x, med.to_numpy(), yerr=[med - lo, hi - med], color=colors[m], marker="o",
-                        ms=max(4.0, 10 - 1.5 * i), lw=max(1.2, 3.5 - 0.6 * i), capsize=4, label=m, zorder=2 + i)
+            ax.errorbar(x, med.to_numpy(), yerr=[med - lo, hi - med], capsize=4, **style)
         ax.set_yscale("log")
         ax.set_xlabel("depth L (blocks; 2L mixer layers)")
         ax.set_title(f"{name}", fontsize=10)
@@ -367,10 +445,27 @@ def composite_gain_vs_depth(metrics: pd.DataFrame, runs: pd.DataFrame, path, *, 
     for ax in axes:
         _plain_log_ticks(ax)
     handles = [Line2D([], [], color=colors[m], marker="o", lw=2, label=m) for m in colors if m in set(data["mixer"])]
+    if "tok" in kinds:
+        handles.append(Line2D([], [], color="#333333", marker="o", lw=1.5, label="token-averaged"))
+        handles.append(Line2D([], [], color="#333333", marker="s", ls="--", lw=1.5, label="per-token (token mean)"))
     handles.append(Line2D([], [], color="#888888", ls=":", label="gain 1"))
+    if banded:
+        n = int(same_cell.max())
+        handles.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {n})"))
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.84), fontsize=9, frameon=False)
     fig.suptitle("Composite Amax gain against depth (end of training)", fontsize=12)
     return _save(fig, path, dpi)
+
+
+def _log_ci(values: np.ndarray) -> tuple[float, float, float]:
+    """(geometric mean, lo, hi) of positive values: the Student t interval of their logs, exp'd."""
+    v = values[np.isfinite(values) & (values > 0)]
+    if v.size == 0:
+        return math.nan, math.nan, math.nan
+    mean, lo, hi, n = stats.mean_ci(np.log(v))
+    if n < 2:
+        lo = hi = mean
+    return math.exp(mean), math.exp(lo), math.exp(hi)
 
 
 def pick_heatmap_runs(metrics: pd.DataFrame, runs: pd.DataFrame, max_runs: int = 6) -> list[str]:
@@ -462,7 +557,9 @@ def layer_heatmap(metrics_run: pd.DataFrame, run: pd.Series | dict, path, *, dpi
 # =========================================================================== lr
 def lr_sensitivity_curves(runs: pd.DataFrame, lr_table: pd.DataFrame, path, *, dpi: int = 110) -> str | None:
     """Final loss against learning rate (log x), one line per group of runs that differ only in
-    lr (colour = mixer), diverged runs as X at the initial loss, LRS in the legend."""
+    lr (colour = mixer), diverged runs as X at the initial loss, LRS in the legend. Where the
+    groups also differ in the seed, one line per group of seeds: the mean over seeds with a 95%
+    Student t band, an X where any seed diverged, and the LRS as mean [95% CI] over seeds."""
     if not len(lr_table) or "lr" not in runs.columns:
         return None
     group_cols = lr_table.attrs.get("group_columns") or [c for c in lr_table.columns if c not in
@@ -482,28 +579,42 @@ def lr_sensitivity_curves(runs: pd.DataFrame, lr_table: pd.DataFrame, path, *, d
     fig, axes = _grid(len(pvals), w=4.6, h=3.4)
     allv = np.concatenate([d["final_loss"].to_numpy(dtype=float), lr_table["loss_init"].to_numpy(dtype=float)])
     log = _use_log(allv)
+    banded = 0
     for ax, pv in zip(axes, pvals):
         sub = d if panel is None else d[d[panel] == pv]
         inits = []
-        for _, row in lr_table.iterrows():
+        unit_cols = [c for c in group_cols if not (seeds and c == "seed")]
+        for _, rows in stats.split(lr_table, unit_cols):  # with seeds: all seeds of a group at once
+            row = rows.iloc[0]
             mask = np.ones(len(sub), dtype=bool)
-            for c in group_cols:
+            for c in unit_cols:
                 mask &= (sub[c].astype(str) == str(row[c])).to_numpy()
             g = sub[mask]
             if not len(g):
                 continue
-            per = g.groupby("_lr")["final_loss"].mean().sort_index()
-            init = float(row["loss_init"])
+            # per lr: mean over the runs (seeds) and, with several, the 95% interval; NaN if any diverged
+            per = g.groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist())).sort_index()
+            mean = pd.Series([t[0] for t in per], index=per.index)
+            init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
             inits.append(init)
             m = str(row["mixer"]) if "mixer" in row else "run"
             key = tuple(str(row[c]) for c in styles)
             ls = _STYLES[style_keys.index(key) % len(_STYLES)] if key in style_keys else "-"
-            fin = per[np.isfinite(per)]
-            label = m + "".join(f", {c}={row[c]}" for c in styles) + (f", seed {row['seed']}" if seeds else "")
-            sens = row["lr_sensitivity"]
-            label += f"  (LRS {sens:.3g})" if np.isfinite(sens) else ""
-            ax.plot(fin.index, fin.to_numpy(), color=colors[m], ls=ls, marker="o", ms=5, lw=1.8, label=label)
-            div = per[~np.isfinite(per)]
+            ok = np.isfinite(mean.to_numpy())
+            label = m + "".join(f", {c}={row[c]}" for c in styles)
+            sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
+            if n > 1 and np.isfinite(s_lo):
+                label += f"  (LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds)"
+            elif np.isfinite(sens):
+                label += f"  (LRS {sens:.3g})"
+            x = mean.index.to_numpy()[ok]
+            ax.plot(x, mean.to_numpy()[ok], color=colors[m], ls=ls, marker="o", ms=5, lw=1.8, label=label)
+            if n > 1:
+                lo = np.array([t[1] for t in per])[ok]
+                hi = np.array([t[2] for t in per])[ok]
+                ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0)
+                banded = max(banded, n)
+            div = mean[~ok]
             if len(div) and np.isfinite(init):
                 ax.plot(div.index, [init] * len(div), ls="none", marker="X", ms=10, color=colors[m],
                         mec="black", mew=0.8, zorder=5)
@@ -526,8 +637,11 @@ def lr_sensitivity_curves(runs: pd.DataFrame, lr_table: pd.DataFrame, path, *, d
         if ax.get_legend_handles_labels()[0]:
             ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, frameon=False, ncol=1)
     extra = [Line2D([], [], ls="none", marker="X", ms=9, color="#999999", mec="black",
-                    label="final loss NaN/inf (drawn at the initial loss)"),
+                    label="final loss NaN/inf (drawn at the initial loss)"
+                    + ("; with seeds: any seed" if banded else "")),
              Line2D([], [], color="#888888", ls=":", label="initial loss")]
+    if banded:
+        extra.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {banded})"))
     fig.legend(handles=extra, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False)
     if panel:
         fig.suptitle("Final loss against learning rate", fontsize=12)
