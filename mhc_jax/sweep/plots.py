@@ -163,8 +163,9 @@ def describe(runs: pd.DataFrame) -> dict[str, str]:
         "style_text": f"; line style = {', '.join(styles)}" if styles else "",
         "heatmap_text": "the deepest run of each mixer (ties: the one with the largest composite gain)",
         "seed_text": (" Where runs differ only in the seed, the line is their mean (geometric mean on a log axis) "
-                      "and the shaded band its 95% Student t interval over the seeds (stopping where any seed "
-                      "has no finite value); × and ▼ mark individual seeds.") if _varying(runs, "seed") else "",
+                      "and the shaded band the range (min to max) over the seeds at each step, stopping where any "
+                      "seed has no finite value; × and ▼ mark individual seeds. The 95% intervals of the summary "
+                      "numbers are in the groups table.") if _varying(runs, "seed") else "",
     }
 
 
@@ -231,9 +232,12 @@ def _seed_groups(runs: pd.DataFrame) -> list[pd.DataFrame]:
 
 
 def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[np.ndarray, ...]:
-    """(steps, mean, ci_lo, ci_hi) over replicate series (mhc_jax.sweep.stats: Student t, 95%),
-    on log values (geometric mean) when ``log``. A step where any seed is missing or non-finite
-    (or <= 0 on a log axis) is NaN: the line and band stop rather than average fewer seeds."""
+    """(steps, mean, lo, hi) over replicate series: the mean (geometric mean when ``log``) and
+    the range (min, max) over seeds at each step. A range, not a confidence interval: a
+    per-step t interval over 2-3 noisy seeds is wider than the curves themselves (t = 12.7 for 2
+    seeds) and says nothing the summary intervals (groups.csv) do not. A step where any seed is
+    missing or non-finite (or <= 0 on a log axis) is NaN: the line and band stop rather than
+    average fewer seeds."""
     steps = np.unique(np.concatenate([s for s, _ in series])) if series else np.zeros(0)
     mat = np.full((len(series), steps.size), np.nan)
     for i, (s, v) in enumerate(series):
@@ -241,11 +245,9 @@ def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[
         mat[i, idx] = v
     ok = np.isfinite(mat) & ((mat > 0) if log else True)
     vals = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
-    n = len(series)
     with np.errstate(invalid="ignore"):
         mean = vals.mean(axis=0)
-        half = stats.t_quantile(0.5 + stats.CONFIDENCE / 2, n - 1) * vals.std(axis=0, ddof=1) / math.sqrt(n)
-    lo, hi = mean - half, mean + half
+        lo, hi = vals.min(axis=0), vals.max(axis=0)  # NaN where any seed is NaN
     if log:
         mean, lo, hi = np.exp(mean), np.exp(lo), np.exp(hi)
     return steps, mean, lo, hi
@@ -326,7 +328,7 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
         handles += [Line2D([], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5,
                            label="  " + ", ".join(k)) for i, k in enumerate(style_keys)]
     if max_band:
-        handles.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {max_band})"))
+        handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
     if any_spike:
         handles.append(Line2D([], [], ls="none", marker="x", ms=8, mew=2, color="#333333",
                               label=f"{spike_kind} event"))
