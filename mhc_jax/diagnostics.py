@@ -16,8 +16,16 @@ Mixer layers are indexed ``l = 0 .. 2L-1`` in depth order (attn_0, mlp_0, attn_1
   all-ones signal, as in the paper, not the induced inf/1 operator norm, which would
   take absolute values *before* summing; the two agree for non-negative matrices such as
   every Sinkhorn-projected ``H_res``.)
-* Composite: ``P_l = H_l @ ... @ H_0`` is the map from the stream entering layer 0 to the
-  stream leaving layer ``l`` (residual path only).
+* Composite (prefix): ``P_l = H_l @ ... @ H_0`` is the map from the stream entering layer 0 to
+  the stream leaving layer ``l`` (residual path only). Suffix: ``S_l = H_{2L-1} @ ... @ H_l``,
+  layer ``l`` to the output (the mHC paper's Eq. 4). The two agree only for the whole depth
+  (``P_{2L-1} = S_0``).
+* Token-averaged vs per-token: ``h_res`` in the stats is averaged over tokens before the product;
+  a product of averages is not an average of products, so it can hide tokens whose own product
+  explodes. ``h_res_tok`` holds the per-token matrices of a fixed token sample, and the
+  ``*_composite_tok_{mean,max}`` metrics are the gains of each sampled token's own product.
+* Amin: the smallest |row sum| (forward) or |column sum| (backward): the attenuated side that a
+  max hides.
 * ``gain_bwd``: see :func:`gain_bwd`.
 * Ratios are plain divisions: a zero denominator gives inf (or NaN for 0/0), which the
   logs record honestly rather than hiding behind an epsilon.
@@ -39,6 +47,10 @@ __all__ = [
     "amax_fwd_composite",
     "amax_bwd_composite",
     "log_colsum_max",
+    "amin_fwd",
+    "amin_bwd",
+    "suffix",
+    "token_composite_gains",
     "growth_exponent",
     "gain_bwd",
     "tree_layer_norms",
@@ -77,10 +89,12 @@ def branch_ratio(branch_rms, rms_in) -> jax.Array:
 def growth_exponent(rms_first, rms_last, depth) -> jax.Array:
     """Depth growth exponent ``lambda = (1/depth) * ln(rms_last / rms_first)``.
 
-    REFERENCE "Depth growth exponent". For activations pass RMS(x_0), RMS(x_L); for
-    gradients pass the gradient RMS at the two ends in the same order (input end first),
-    so a gradient that grows towards the input gives a negative exponent. ``depth`` is
-    whatever the caller counts (blocks L or mixer layers 2L); say which in the log name.
+    docs/interfaces.md "Depth growth exponent". Pass the two ends in the order the signal
+    travels, so growth along the pass is positive for both passes: for activations RMS(x_0)
+    then RMS(x_out); for gradients the gradient RMS at the output end (the collapse input)
+    then at the input end (the stream entering layer 0), so a gradient that grows on its way
+    back to the input gives a positive exponent. ``depth`` is the number of layers between
+    the two ends (the train step uses the 2L mixer layers for both).
     """
     return jnp.log(_f32(rms_last) / _f32(rms_first)) / _f32(depth)
 
@@ -121,6 +135,16 @@ def amax_bwd(h) -> jax.Array:
 
 
 @jax.jit
+def amin_fwd(h) -> jax.Array:
+    """Forward attenuation: min_i |sum_j h_ij| over the last two axes ([..., n, n] -> [...])."""
+    return jnp.min(jnp.abs(jnp.sum(_f32(h), axis=-1)), axis=-1)
+
+
+def amin_bwd(h) -> jax.Array:
+    """Backward attenuation: min_j |sum_i h_ij| over the last two axes ([..., n, n] -> [...])."""
+    return jnp.min(jnp.abs(jnp.sum(_f32(h), axis=-2)), axis=-1)
+
+
 def composite(h_L) -> jax.Array:
     """Running products over depth: ``P_l = H_l @ H_{l-1} @ ... @ H_0``.
 
@@ -131,6 +155,35 @@ def composite(h_L) -> jax.Array:
     h = _f32(h_L)
     # associative_scan combines (earlier, later); the later layer multiplies on the left.
     return lax.associative_scan(lambda a, b: jnp.matmul(b, a), h, axis=-3)
+
+
+@jax.jit
+def suffix(h_L) -> jax.Array:
+    """Suffix products over depth: ``S_l = H_{2L-1} @ ... @ H_{l+1} @ H_l`` ([..., 2L, n, n]).
+
+    The map from the stream entering layer ``l`` to the output (the mHC paper's Eq. 4).
+    ``S_0`` equals the whole-depth prefix product ``P_{2L-1}`` (up to rounding).
+    """
+    h = jnp.flip(_f32(h_L), axis=-3)
+    # Reversed, the earlier element is the later layer, which multiplies on the left.
+    return jnp.flip(lax.associative_scan(jnp.matmul, h, axis=-3), axis=-3)
+
+
+def token_composite_gains(h_tok) -> dict[str, jax.Array]:
+    """Gains of per-token prefix products, summarised over the token sample.
+
+    ``h_tok``: [..., 2L, S, n, n], the ``H_res`` of S sampled tokens at every layer (the same
+    tokens at every layer). Each token's own product ``P_l(s) = H_l(s) @ ... @ H_0(s)`` is
+    formed, and its forward/backward Amax is averaged and maxed over the S tokens. Returns
+    ``amax_{fwd,bwd}_composite_tok_{mean,max}`` ([..., 2L] each).
+    """
+    p = composite(jnp.swapaxes(_f32(h_tok), -3, -4))          # [..., S, 2L, n, n]
+    out = {}
+    for d, fn in (("fwd", amax_fwd), ("bwd", amax_bwd)):
+        g = fn(p)                                               # [..., S, 2L]
+        out[f"amax_{d}_composite_tok_mean"] = jnp.mean(g, axis=-2)
+        out[f"amax_{d}_composite_tok_max"] = jnp.max(g, axis=-2)
+    return out
 
 
 def amax_fwd_composite(h_L) -> jax.Array:
@@ -199,10 +252,12 @@ def tree_rms(tree) -> jax.Array:
 def layer_metrics(stats: Mapping[str, Any], grad_rms=None, grad_rms_out=None) -> dict[str, jax.Array]:
     """All per-layer metrics from the stacked mixer stats of docs/interfaces.md.
 
-    ``stats`` holds ``h_res [2L, n, n]``, ``rms_in``, ``rms_out``, ``branch_rms`` [2L] (any
-    may be missing, its metrics are then skipped). Returns ``gain_fwd``, ``branch_ratio``,
-    ``amax_fwd``, ``amax_bwd``, ``amax_fwd_composite``, ``amax_bwd_composite``,
-    ``log_colsum_max`` ([2L] each), and with ``grad_rms`` given also ``grad_rms`` and
+    ``stats`` holds ``h_res [2L, n, n]``, ``h_res_tok [2L, S, n, n]``, ``rms_in``,
+    ``rms_out``, ``branch_rms`` [2L] (any may be missing, its metrics are then skipped).
+    Returns ``gain_fwd``, ``branch_ratio``, ``amax_fwd``, ``amax_bwd``,
+    ``amax_{fwd,bwd}_composite``, ``amin_{fwd,bwd}_composite``, ``amax_{fwd,bwd}_suffix``,
+    ``log_colsum_max`` (token-averaged ``h_res``), ``amax_{fwd,bwd}_composite_tok_{mean,max}``
+    (per-token products of ``h_res_tok``), all [2L], and with ``grad_rms`` given also ``grad_rms`` and
     ``gain_bwd`` (see :func:`gain_bwd` for ``grad_rms_out``). ``sinkhorn_err``,
     ``attn_logit_max`` and the scalar ``out_logit_max``, ``logsumexp_mean``,
     ``logsumexp_max`` are passed through (as float32) when present.
@@ -217,9 +272,16 @@ def layer_metrics(stats: Mapping[str, Any], grad_rms=None, grad_rms_out=None) ->
         p = composite(h)
         out["amax_fwd"] = amax_fwd(h)
         out["amax_bwd"] = amax_bwd(h)
+        sfx = suffix(h)
         out["amax_fwd_composite"] = amax_fwd(p)
         out["amax_bwd_composite"] = amax_bwd(p)
+        out["amin_fwd_composite"] = amin_fwd(p)
+        out["amin_bwd_composite"] = amin_bwd(p)
+        out["amax_fwd_suffix"] = amax_fwd(sfx)
+        out["amax_bwd_suffix"] = amax_bwd(sfx)
         out["log_colsum_max"] = _log_colsum_max_of(p)
+    if "h_res_tok" in stats:
+        out.update(token_composite_gains(stats["h_res_tok"]))
     if grad_rms is not None:
         out["grad_rms"] = _f32(grad_rms)
         out["gain_bwd"] = gain_bwd(grad_rms, grad_rms_out)

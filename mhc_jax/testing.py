@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from mhc_jax import mixers
-from mhc_jax.mixers.base import STAT_KEYS, rms_norm
+from mhc_jax.mixers.base import STAT_KEYS, TOKEN_SAMPLE, rms_norm
 
 B, T, C = 2, 5, 8
 
@@ -58,6 +58,7 @@ def check_shapes(name: str, dtype=jnp.float32, **opts) -> None:
   chex.assert_type(out, dtype)
   assert set(stats) == set(STAT_KEYS), f"{name}: stats keys {sorted(stats)} != {sorted(STAT_KEYS)}"
   chex.assert_shape([stats["h_res"], stats["h_pre"], stats["h_post"]], [(n, n), (n,), (n,)])
+  chex.assert_shape(stats["h_res_tok"], (min(TOKEN_SAMPLE, B * T), n, n))
   for k in ("rms_in", "rms_out", "branch_rms", "sinkhorn_err"):
     chex.assert_shape(stats[k], ())
   chex.assert_type(list(stats.values()), jnp.float32)

@@ -129,6 +129,7 @@ def test_layer_metrics_under_jit_matches_eager():
     jitted = jax.jit(D.layer_metrics)(stats, grad_rms, 1.0)
     expected = {"gain_fwd", "branch_ratio", "amax_fwd", "amax_bwd", "amax_fwd_composite",
                 "amax_bwd_composite", "log_colsum_max", "grad_rms", "gain_bwd",
+                "amin_fwd_composite", "amin_bwd_composite", "amax_fwd_suffix", "amax_bwd_suffix",
                 "sinkhorn_err", "attn_logit_max", "out_logit_max"}
     assert set(eager) == expected == set(jitted)
     for k in expected:
@@ -159,3 +160,82 @@ def test_all_functions_jit_and_bf16_input():
     np.testing.assert_allclose(trees[0], [math.sqrt(3)] * 2, rtol=1e-6)
     assert float(growth) == pytest.approx(1.0)
     assert gb.shape == (4,)
+
+
+# ----------------------------------------------------------------- per-token, suffix, attenuation
+def _np_suffix(h):
+    out, p = [], np.eye(h.shape[-1], dtype=np.float64)
+    for hl in h.astype(np.float64)[::-1]:
+        p = p @ hl  # earlier layer on the right
+        out.append(p)
+    return np.stack(out[::-1])
+
+
+def _correlated_tokens(depth=6, S=8, n=4, seed=0):
+    """Dynamic-HC-like per-token H_res: I + a_s M_l with a per-token amplitude a_s shared by all
+    layers (a token that amplifies does so at every layer), half the tokens with a_s < 0."""
+    rng = np.random.default_rng(seed)
+    m = rng.normal(size=(depth, 1, n, n)) * 0.3
+    a = np.concatenate([np.linspace(0.5, 1.5, S // 2), -np.linspace(0.5, 1.5, S // 2)])
+    return (np.eye(n) + a[None, :, None, None] * m).astype(np.float32)  # [2L, S, n, n]
+
+
+def test_per_token_and_averaged_composites_differ_and_match_numpy():
+    h_tok = _correlated_tokens()
+    h_avg = h_tok.mean(axis=1)
+    got = D.layer_metrics({"h_res": h_avg, "h_res_tok": h_tok})
+    # numpy float64 references
+    avg_fwd = np.abs(_np_products(h_avg).sum(-1)).max(-1)
+    per = np.stack([_np_products(h_tok[:, s]) for s in range(h_tok.shape[1])])  # [S, 2L, n, n]
+    tok_fwd = np.abs(per.sum(-1)).max(-1)
+    tok_bwd = np.abs(per.sum(-2)).max(-1)
+    np.testing.assert_allclose(got["amax_fwd_composite"], avg_fwd, rtol=1e-5)
+    np.testing.assert_allclose(got["amax_fwd_composite_tok_mean"], tok_fwd.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(got["amax_fwd_composite_tok_max"], tok_fwd.max(0), rtol=1e-5)
+    np.testing.assert_allclose(got["amax_bwd_composite_tok_mean"], tok_bwd.mean(0), rtol=1e-5)
+    np.testing.assert_allclose(got["amax_bwd_composite_tok_max"], tok_bwd.max(0), rtol=1e-5)
+    # averaging the matrices first hides the per-token growth (the case this metric exists for)
+    assert got["amax_fwd_composite_tok_mean"][-1] > 1.5 * got["amax_fwd_composite"][-1]
+
+
+def test_suffix_is_layer_to_output_and_agrees_with_prefix_only_for_the_whole_depth():
+    h = _mats(seed=3, depth=6, n=3)
+    sfx = np.asarray(D.suffix(h))
+    np.testing.assert_allclose(sfx, _np_suffix(h), rtol=1e-4, atol=1e-4)
+    pre = np.asarray(D.composite(h))
+    np.testing.assert_allclose(sfx[0], pre[-1], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(sfx[2], pre[2], atol=1e-2)
+    got = D.layer_metrics({"h_res": h})
+    np.testing.assert_allclose(got["amax_fwd_suffix"], np.abs(_np_suffix(h).sum(-1)).max(-1),
+                               rtol=1e-4)
+    np.testing.assert_allclose(got["amax_bwd_suffix"], np.abs(_np_suffix(h).sum(-2)).max(-1),
+                               rtol=1e-4)
+
+
+def test_amin_shows_attenuation_that_amax_hides():
+    # column sums 1.5 and 0.5: Amax says 1.5 (mild), Amin says one direction halves per layer
+    h = np.broadcast_to(np.array([[1.0, 0.0], [0.5, 0.5]], np.float32), (4, 2, 2))
+    got = D.layer_metrics({"h_res": h})
+    cols = np.abs(_np_products(h).sum(-2))
+    np.testing.assert_allclose(got["amin_bwd_composite"], cols.min(-1), rtol=1e-6)
+    np.testing.assert_allclose(got["amin_fwd_composite"], np.abs(_np_products(h).sum(-1)).min(-1),
+                               rtol=1e-6)
+    assert float(got["amin_bwd_composite"][-1]) < 0.1 < float(got["amax_bwd_composite"][-1])
+
+
+def test_growth_exponent_grad_by_hand():
+    """2L = 4 mixer layers; gradient RMS at the collapse input 0.5, then 1, 2, 4, 8 towards the
+    input: it doubles per layer on its way back, so lambda_grad = ln(8 / 0.5) / 4 = ln 2."""
+    from mhc_jax.train.step import diag_metrics
+    L2, n, c = 4, 2, 3
+    scales = np.array([8.0, 4.0, 2.0, 1.0], np.float32)  # RMS of dLoss/d(stream entering layer l)
+    g_layers = np.ones((2, 2, 1, 1, n, c), np.float32) * scales.reshape(2, 2, 1, 1, 1, 1)
+    g_out = np.full((1, 1, n, c), 0.5, np.float32)
+    stats = {"h_res": np.broadcast_to(np.eye(n, dtype=np.float32), (L2, n, n)),
+             "rms_in": np.ones(L2, np.float32), "rms_out": np.full(L2, np.e ** 2, np.float32),
+             "branch_rms": np.ones(L2, np.float32)}
+    aux = {"stats": stats, "attn_logit_max": np.zeros(2, np.float32),
+           "out_logit_max": 0.0, "logsumexp_mean": 0.0, "logsumexp_max": 0.0}
+    out = diag_metrics(aux, (g_layers, g_out), {"params": {}}, depth=2)
+    assert float(out["growth_exponent_grad"]) == pytest.approx(math.log(2.0), rel=1e-5)
+    assert float(out["growth_exponent"]) == pytest.approx(2.0 / L2, rel=1e-5)

@@ -9,20 +9,25 @@ A mixer owns the residual stream between sublayers. Its state is ``n`` parallel 
 - ``Collapse(n, kind)``: the streams back to one before the final norm (sum, or learned).
 
 ``stats`` is a dict of fixed-shape float32 arrays (docs/interfaces.md): ``h_res [n,n]``,
-``h_pre [n]``, ``h_post [n]`` token-averaged, ``rms_in``, ``rms_out``, ``branch_rms`` and
-``sinkhorn_err`` scalars. ``layer`` is the mixer-layer index (2·block for attention, 2·block+1
+``h_pre [n]``, ``h_post [n]`` token-averaged, ``h_res_tok [S,n,n]`` the per-token ``H_res`` of a
+fixed sample of ``S = min(TOKEN_SAMPLE, tokens)`` tokens, ``rms_in``, ``rms_out``,
+``branch_rms`` and ``sinkhorn_err`` scalars. ``layer`` is the mixer-layer index (2·block for attention, 2·block+1
 for the MLP); it may be traced (under ``nn.scan``) and is only used by initialisers.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Sublayer = Callable[[jax.Array], jax.Array]
-STAT_KEYS = ("h_res", "h_pre", "h_post", "rms_in", "rms_out", "branch_rms", "sinkhorn_err")
+STAT_KEYS = ("h_res", "h_res_tok", "h_pre", "h_post", "rms_in", "rms_out", "branch_rms",
+             "sinkhorn_err")
+TOKEN_SAMPLE = 16  # tokens whose own H_res products are tracked (h_res_tok)
 
 
 def rms(x: jax.Array) -> jax.Array:
@@ -47,12 +52,25 @@ def token_mean(a: jax.Array, lead: int) -> jax.Array:
   return jnp.mean(a.astype(jnp.float32), axis=tuple(range(lead))) if lead else a.astype(jnp.float32)
 
 
+def sample_tokens(h_res, tok_shape) -> jax.Array:
+  """Per-token ``H_res`` of a fixed token sample: ``[S, n, n]``, S evenly spaced flat indices.
+
+  ``h_res`` is ``[n, n]`` (static: the same for every token) or ``[*tok_shape, n, n]``.
+  """
+  n_tok = math.prod(tok_shape)
+  s = min(TOKEN_SAMPLE, n_tok)
+  h = jnp.broadcast_to(h_res.astype(jnp.float32), tuple(tok_shape) + h_res.shape[-2:])
+  idx = np.linspace(0, n_tok - 1, s).round().astype(np.int32)
+  return h.reshape((n_tok,) + h.shape[-2:])[idx]
+
+
 def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> dict:
   """The per-call stats dict; coefficients may carry leading token axes (averaged here)."""
   n = x_in.shape[-2]
   lead_res, lead_vec = h_res.ndim - 2, h_pre.ndim - 1
   return {
       "h_res": token_mean(jnp.broadcast_to(h_res, h_res.shape[:lead_res] + (n, n)), lead_res),
+      "h_res_tok": sample_tokens(h_res, x_in.shape[:-2]),
       "h_pre": token_mean(h_pre, lead_vec),
       "h_post": token_mean(h_post, h_post.ndim - 1),
       "rms_in": rms(x_in),
