@@ -102,7 +102,7 @@ def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
     out[k] = aux[k]
   s = aux["stats"]
   out["growth_exponent"] = dg.growth_exponent(s["rms_in"][0], s["rms_out"][-1], L2)
-  out["growth_exponent_grad"] = dg.growth_exponent(grad_rms[-1], grad_rms[0], L2)
+  out["growth_exponent_grad"] = dg.growth_exponent(grad_out, grad_rms[0], L2)
   blocks = grads["params"]["blocks"] if "blocks" in grads["params"] else None
   if blocks is not None:
     out["layer_grad_norm"] = dg.tree_layer_norms(blocks)
