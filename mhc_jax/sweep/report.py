@@ -769,7 +769,8 @@ def _finding_growth(d, order, depths) -> str | None:
         lo = min(v for _, v, _ in flat)
         hi = max(v for _, _, v in flat)
         names = [f"{m}'s" for m, _, _ in flat]
-        text += f" while {_join(names)} stayed within {_band(lo, hi)}"
+        band = _band(lo, hi)
+        text += f" while {_join(names)} stayed " + (f"within {band}" if "–" in band else f"at {band}")
     else:
         m = min(rest, key=lambda x: ratio[x])
         text += f" while {m}'s went only from {_g(ok.loc[m, lo_d])} to {_g(ok.loc[m, hi_d])}"
