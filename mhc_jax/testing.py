@@ -26,43 +26,79 @@ B, T, C = 2, 5, 8
 
 
 def sublayer_fn(key, c: int = C):
-  """A fixed, nonlinear stand-in for ``norm + attention/MLP``: ``tanh(norm(x) W)``."""
+  """A fixed, nonlinear stand-in for ``norm + attention/MLP``: ``tanh(v)``, ``v = norm(x) W``.
+
+  ``v`` plays the attention values (one head, ``[B, T, 1, C]``): a ``value_fn`` maps it first.
+  """
   w = jax.random.normal(key, (c, c)) / jnp.sqrt(c)
-  return lambda x: jnp.tanh(rms_norm(x) @ w).astype(x.dtype)
+
+  def f(x, value_fn=None):
+    v = (rms_norm(x) @ w)[..., None, :]
+    if value_fn is not None:
+      v = value_fn(v)
+    return jnp.tanh(v[..., 0, :]).astype(x.dtype)
+
+  return f
 
 
 def default_n(name: str) -> int:
-  return 1 if name == "residual" else 4
+  """The mixer's own default stream count (its ``n`` field's default)."""
+  return int(getattr(mixers._cls(name), "n", 1))
+
+
+LAYERS = 4  # the mixer-layer count (2L) the checks tell mixers whose state depends on depth
 
 
 def setup(name: str, n: int | None = None, dtype=jnp.float32, seed: int = 0, **opts):
-  """(mixer, params, x_BTnC, sublayer, apply) for a small random state."""
-  n = default_n(name) if n is None else n
-  mixer = mixers.get(name, n=n, **opts)
-  k_x, k_f, k_p = jax.random.split(jax.random.PRNGKey(seed), 3)
-  x_BTnC = jax.random.normal(k_x, (B, T, n, C)).astype(dtype)
+  """(mixer, params, state, sublayer, apply) for a small random state.
+
+  The state is ``mixer.expand`` of a random ``[B, T, C]`` input plus independent noise on every
+  leaf (so streams differ, as they do after training).
+  """
+  if n is not None:
+    opts = opts | {"n": n}
+  mixer = mixers.get(name, layers=LAYERS, **opts)
+  k_x, k_f, k_p, k_s = jax.random.split(jax.random.PRNGKey(seed), 4)
+  state = mixer.expand(jax.random.normal(k_x, (B, T, C)).astype(dtype))
+  leaves, tree = jax.tree.flatten(state)
+  keys = jax.random.split(k_s, len(leaves))
+  state = jax.tree.unflatten(tree, [(l + jax.random.normal(k, l.shape)).astype(dtype)
+                                    for l, k in zip(leaves, keys)])
   f = sublayer_fn(k_f)
-  params = nn.meta.unbox(mixer.init(k_p, x_BTnC, f, 0))
+  params = nn.meta.unbox(mixer.init(k_p, state, f, 0))
 
   def apply(p, x, layer=0):
     return mixer.apply(p, x, f, layer)
 
-  return mixer, params, x_BTnC, f, apply
+  return mixer, params, state, f, apply
+
+
+REQUIRED_STATS = ("rms_in", "rms_out", "branch_rms")
+H_RES_STATS = ("h_res", "h_res_tok", "h_pre", "h_post", "sinkhorn_err")
 
 
 def check_shapes(name: str, dtype=jnp.float32, **opts) -> None:
+  """State tree, shapes and dtypes preserved; stats: the required scalars, and the full ``H_res``
+  set (``h_res [n,n]``, ``h_res_tok [S,n,n]``, ``h_pre``, ``h_post [n]``, ``sinkhorn_err``) for a
+  mixer that reports ``h_res`` at all."""
   mixer, params, x, _, apply = setup(name, dtype=dtype, **opts)
-  n = x.shape[-2]
   out, stats = apply(params, x)
-  chex.assert_shape(out, x.shape)
-  chex.assert_type(out, dtype)
-  assert set(stats) == set(STAT_KEYS), f"{name}: stats keys {sorted(stats)} != {sorted(STAT_KEYS)}"
-  chex.assert_shape([stats["h_res"], stats["h_pre"], stats["h_post"]], [(n, n), (n,), (n,)])
-  chex.assert_shape(stats["h_res_tok"], (min(TOKEN_SAMPLE, B * T), n, n))
-  for k in ("rms_in", "rms_out", "branch_rms", "sinkhorn_err"):
+  chex.assert_trees_all_equal_shapes_and_dtypes(out, x)
+  missing = set(REQUIRED_STATS) - set(stats)
+  assert not missing, f"{name}: stats lack {sorted(missing)}"
+  unknown = set(stats) - set(STAT_KEYS)
+  assert not unknown, f"{name}: stats {sorted(unknown)} are not contract keys {STAT_KEYS}"
+  if "h_res" in stats:
+    assert set(H_RES_STATS) <= set(stats), f"{name}: h_res without {set(H_RES_STATS) - set(stats)}"
+    n = stats["h_res"].shape[-1]
+    chex.assert_shape([stats["h_res"], stats["h_pre"], stats["h_post"]], [(n, n), (n,), (n,)])
+    chex.assert_shape(stats["h_res_tok"], (min(TOKEN_SAMPLE, B * T), n, n))
+    chex.assert_shape(stats["sinkhorn_err"], ())
+  for k in REQUIRED_STATS:
     chex.assert_shape(stats[k], ())
   chex.assert_type(list(stats.values()), jnp.float32)
-  chex.assert_shape(mixer.expand(x[..., 0, :]), x.shape)
+  chex.assert_trees_all_equal_shapes(mixer.expand(jnp.zeros((B, T, C), dtype)), x)
+  assert mixer.stream(x).ndim == 4, f"{name}: stream(state) must be [B, T, k, C']"
 
 
 def check_transforms(name: str, variant=jax.jit, **opts) -> None:
@@ -71,11 +107,15 @@ def check_transforms(name: str, variant=jax.jit, **opts) -> None:
   ref = apply(params, x)
   got = variant(apply)(params, x)
   chex.assert_trees_all_close(got, ref, rtol=1e-5, atol=1e-5)
-  xs = jnp.stack([x, 2.0 * x])
+  xs = jax.tree.map(lambda a: jnp.stack([a, 2.0 * a]), x)
   out_v, _ = jax.vmap(apply, in_axes=(None, 0))(params, xs)
-  chex.assert_trees_all_close(out_v[0], ref[0], rtol=1e-5, atol=1e-5)
-  g = variant(jax.grad(lambda p: jnp.sum(apply(p, x)[0] ** 2)))(params)
+  chex.assert_trees_all_close(jax.tree.map(lambda a: a[0], out_v), ref[0], rtol=1e-5, atol=1e-5)
+  g = variant(jax.grad(lambda p: _sumsq(apply(p, x)[0])))(params)
   chex.assert_trees_all_equal_structs(g, params)
+
+
+def _sumsq(tree):
+  return sum(jnp.sum(jnp.square(l.astype(jnp.float32))) for l in jax.tree.leaves(tree))
 
 
 def check_finite_grads(name: str, dtype=jnp.float32, **opts) -> None:
@@ -83,7 +123,8 @@ def check_finite_grads(name: str, dtype=jnp.float32, **opts) -> None:
 
   def loss(p, x):
     out, stats = apply(p, x)
-    return jnp.mean(out.astype(jnp.float32) ** 2) + stats["rms_out"]
+    size = sum(l.size for l in jax.tree.leaves(out))
+    return _sumsq(out) / size + stats["rms_out"]
 
   gp, gx = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
   chex.assert_tree_all_finite((gp, gx))
@@ -112,7 +153,7 @@ def check_invariants(name: str, seeds=(1, 2, 3), scale: float = 0.5, **opts) -> 
   than the ``sinkhorn_err`` the mixer reports, and must fall below 1e-3 when the mixer is given
   enough Sinkhorn iterations (truncation error, not a broken projection).
   """
-  probe = mixers.get(name, **({"n": default_n(name)} | opts))
+  probe = mixers.get(name, **opts)
   if not type(probe).doubly_stochastic:
     return
   iter_opts = [opts]
@@ -161,21 +202,23 @@ class _Stack(nn.Module):
   @nn.compact
   def __call__(self, tokens_BT):
     emb = self.param("embedding", nn.initializers.normal(1.0), (self.vocab, C))
-    mk = lambda i: mixers.get(self.name_, module_name=f"mix_{i}", **self.opts)
-    x = mixers.get(self.name_, **self.opts).expand(emb[tokens_BT])
+    mk = lambda i: mixers.get(self.name_, module_name=f"mix_{i}", layers=self.depth, **self.opts)
+    spec = mixers.get(self.name_, layers=self.depth, **self.opts).clone(parent=None)
+    x = spec.expand(emb[tokens_BT])
     states = []
     for i in range(self.depth):
       dense = nn.Dense(C, use_bias=False, name=f"f_{i}")
-      x, _ = mk(i)(x, lambda h, d=dense: jnp.tanh(d(rms_norm(h))).astype(h.dtype), i)
-      states.append(x)
-    logits = nn.Dense(self.vocab, use_bias=False, name="head")(rms_norm(x.sum(-2)))
+      x, _ = mk(i)(x, lambda h, value_fn=None, d=dense: jnp.tanh(d(rms_norm(h))).astype(h.dtype), i)
+      states.append(spec.stream(x))
+    collapse_cls, kw = spec.collapse_module()
+    logits = nn.Dense(self.vocab, use_bias=False, name="head")(
+        rms_norm(collapse_cls(**kw, name="collapse")(x)))
     return logits, jnp.stack(states)
 
 
 def stream_separation(name: str, steps: int = 10, lr: float = 1e-2, seed: int = 0,
                       **opts) -> list[float]:
   """Stream spread (max over layers) after 0, 1, ..., ``steps`` Adam steps on random tokens."""
-  opts = {"n": default_n(name)} | opts
   model = _Stack(name, opts)
   k_tok, k_tgt, k_p = jax.random.split(jax.random.PRNGKey(seed), 3)
   tokens = jax.random.randint(k_tok, (B, 8), 0, model.vocab)
@@ -209,7 +252,7 @@ def check_stream_separation(name: str, steps: int = 10, threshold: float = SEP_T
   Single-stream mixers (``n = 1``) pass trivially. Returns the final spread.
   """
   n = opts.get("n", default_n(name))
-  if n == 1:
+  if n == 1 or not type(mixers.get(name, **opts)).multi_stream:
     return 0.0
   spread = stream_separation(name, steps=steps, **opts)[-1]
   assert spread > threshold, (

@@ -162,3 +162,26 @@ def test_aux_outputs_and_bf16():
   assert aux["attn_logit_max"].shape == (cfg.depth,)
   np.testing.assert_allclose(aux["out_logit_max"], logits.max(), rtol=1e-6)
   chex.assert_tree_all_finite(jax.jit(jax.grad(loss_fn(cfg)))(params))
+
+
+def test_original_mixers_unchanged_by_the_contract_move():
+  """residual / hc / mhc / mhc_lite under the generalised contract give the outputs they gave
+  before it (tests/data/mixers_before_contract.npz, written by the pre-contract model)."""
+  import pathlib
+  gold = np.load(pathlib.Path(__file__).parent / "data" / "mixers_before_contract.npz")
+  cases = {"residual": {}, "hc": {"n": 4}, "hc_static": {"n": 4, "dynamic": False},
+           "mhc": {"n": 4}, "mhc_uniform": {"n": 4, "h_res_init": "uniform"},
+           "mhc_lite": {"n": 3}, "mhc_learned": {"n": 2, "collapse": "learned"}}
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 11)
+  for key, opts in cases.items():
+    mixer = "mhc_lite" if key == "mhc_lite" else key.split("_")[0]
+    cfg = ModelConfig(vocab=11, depth=2, width=16, heads=2, mixer=mixer, mixer_options=opts)
+    m = Transformer(cfg)
+    params = nn.meta.unbox(m.init(jax.random.PRNGKey(0), tokens))
+    logits, aux = m.apply(params, tokens)
+    g = jax.grad(lambda p: jnp.mean(m.apply(p, tokens)[0] ** 2))(params)
+    got = {"logits": logits, "h_res": aux["stats"]["h_res"], "rms_out": aux["stats"]["rms_out"],
+           "grad_embedding": g["params"]["embedding"]}
+    for k, v in got.items():
+      np.testing.assert_allclose(np.asarray(v), gold[f"{key}/{k}"], rtol=1e-6, atol=1e-6,
+                                 err_msg=f"{key}/{k}")

@@ -19,7 +19,8 @@ _REGISTRY: dict[str, type[Mixer]] = {
     "mhc_lite": MHCLite,
 }
 # Options that only shape the model around the mixer (handled by the model, not the mixer).
-MODEL_OPTIONS = ("collapse",)
+# ``collapse`` moved into the mixer (it owns its collapse); nothing is left here.
+MODEL_OPTIONS: tuple[str, ...] = ()
 
 
 def names() -> list[str]:
@@ -29,7 +30,7 @@ def names() -> list[str]:
 def options(name: str) -> list[str]:
   """The option names a mixer accepts (its dataclass fields, minus Flax internals)."""
   cls = _cls(name)
-  return [f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name")]
+  return [f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name", "layers")]
 
 
 def _cls(name: str) -> type[Mixer]:
@@ -38,9 +39,10 @@ def _cls(name: str) -> type[Mixer]:
   return _REGISTRY[name]
 
 
-def get(name: str, *, module_name: str | None = None, **opts) -> Mixer:
+def get(name: str, *, module_name: str | None = None, layers: int = 0, **opts) -> Mixer:
   """A mixer module (named ``module_name`` when built inside a parent's compact method).
 
+  ``layers`` is the model's number of mixer layers (2L), for mixers whose state depends on depth.
   Options the model handles (``MODEL_OPTIONS``) are ignored here; unknown options raise
   ``ValueError`` naming them.
   """
@@ -49,7 +51,7 @@ def get(name: str, *, module_name: str | None = None, **opts) -> Mixer:
   bad = sorted(set(opts) - set(options(name)))
   if bad:
     raise ValueError(f"mixer {name!r}: unknown option(s) {bad}; accepted: {options(name)}")
-  return cls(**opts, name=module_name)
+  return cls(**opts, layers=layers, name=module_name)
 
 
 __all__ = ["STAT_KEYS", "Collapse", "Mixer", "get", "names", "options"]

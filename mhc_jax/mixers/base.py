@@ -8,6 +8,8 @@ A mixer owns the residual stream between sublayers. Its state is ``n`` parallel 
   ``x' = H_res x + H_postᵀ F(H_pre x)`` where ``F = sublayer`` (norm + attention or MLP);
 - ``Collapse(n, kind)``: the streams back to one before the final norm (sum, or learned).
 
+The full contract (any pytree state, collapse, probes) is the ``Mixer`` docstring.
+
 ``stats`` is a dict of fixed-shape float32 arrays (docs/interfaces.md): ``h_res [n,n]``,
 ``h_pre [n]``, ``h_post [n]`` token-averaged, ``h_res_tok [S,n,n]`` the per-token ``H_res`` of a
 fixed sample of ``S = min(TOKEN_SAMPLE, tokens)`` tokens, ``rms_in``, ``rms_out``,
@@ -97,17 +99,58 @@ def read(x_BTnC, h_pre):
 
 
 class Mixer(nn.Module):
-  """Base class: ``n`` streams, param-free expand. Subclasses implement ``__call__``."""
+  """The contract (docs/interfaces.md). Defaults describe ``n`` identical-width streams.
+
+  A mixer owns its carried state (any pytree), how it begins (``expand``) and ends
+  (``collapse_module``), and the stats it reports. The model knows only this interface:
+
+  - ``expand(x_BTC) -> state`` (no parameters); the state's shape is the probe's shape, so the
+    gradient of a zero probe added to it is dLoss/d(state);
+  - ``__call__(state, sublayer, layer) -> (state, stats)``: ``sublayer(h_BTC, value_fn=None)``
+    is the attention or MLP branch (with the model's input norm when ``pre_norm``); attention
+    applies ``value_fn`` to its values ``[B, T, H, D]`` (value-residual mixers), the MLP ignores
+    it. ``layer`` is the mixer-layer index (may be traced under ``nn.scan``);
+  - ``collapse_module() -> (module class, fields)``: the module mapping the final state to
+    ``x_BTC`` (the model builds it in its own scope, named ``collapse``);
+  - ``stream(state) -> [B, T, k, C']``: the state's streams, for probes and separation checks.
+
+  ``layers`` (the model's 2L mixer layers) is filled in by the model, for state whose size
+  depends on depth (preallocated, so compile time stays flat in depth). Class attributes:
+  ``doubly_stochastic`` (an ``H_res`` claim ``mhc_jax.testing`` checks), ``pre_norm`` (the
+  model norms the sublayer input; post-norm mixers set False and norm themselves),
+  ``multi_stream`` (with ``n > 1`` the streams must separate under training: checked).
+  """
 
   n: int = 1
+  layers: int = 0
+  collapse: str = "sum"
   # Invariant a mixer claims for its H_res; mhc_jax.testing checks it under random parameters.
   doubly_stochastic: ClassVar[bool] = False
+  pre_norm: ClassVar[bool] = True
+  # Whether the state holds n > 1 parallel streams that must separate (mhc_jax.testing checks).
+  multi_stream: ClassVar[bool] = True
 
-  def expand(self, x_BTC: jax.Array) -> jax.Array:
+  def expand(self, x_BTC: jax.Array):
     return jnp.broadcast_to(x_BTC[..., None, :], x_BTC.shape[:-1] + (self.n, x_BTC.shape[-1]))
 
-  def collapse_sum(self, x_BTnC: jax.Array) -> jax.Array:
-    return x_BTnC.sum(axis=-2)
+  def stream(self, state) -> jax.Array:
+    return state
+
+  def collapse_module(self) -> tuple[type[nn.Module], dict]:
+    """``(module class, its fields)`` mapping the final state to ``x_BTC``; the model builds it
+    (named ``collapse``) in its own scope."""
+    return Collapse, {"n": self.n, "kind": self.collapse}
+
+  def layer_params(self, width: int) -> int:
+    """Parameters of one mixer layer at model width ``width`` (closed form)."""
+    raise NotImplementedError(f"{type(self).__name__}: no closed-form parameter count")
+
+  def collapse_params(self, width: int) -> int:
+    return self.n if self.collapse == "learned" and self.n > 1 else 0
+
+  def sublayer_out_scale(self, layers: int) -> float:
+    """Multiplier on the init scale of each sublayer's output projection (1: unchanged)."""
+    return 1.0
 
 
 class Collapse(nn.Module):

@@ -21,6 +21,10 @@ class HyperConnection(Mixer):
   dynamic: bool = True
   alpha_init: float = 0.01
 
+  def layer_params(self, width: int) -> int:
+    n, c = self.n, width
+    return 2 * n + n * n + ((2 * c + c * n + 2) if self.dynamic else 0)
+
   @nn.compact
   def __call__(self, x_BTnC, sublayer, layer=0):
     n, c = x_BTnC.shape[-2:]

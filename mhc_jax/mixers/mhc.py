@@ -59,6 +59,10 @@ class ManifoldHyperConnection(Mixer):
   pre_init: Literal["auto", "uniform", "onehot"] = "auto"
   doubly_stochastic = True
 
+  def layer_params(self, width: int) -> int:
+    n, r = self.n, self.res_size()
+    return 2 * n + r + ((n * width * (2 * n + r) + 3) if self.dynamic else 0)
+
   def res_size(self) -> int:
     """Number of logits the ``H_res`` projection needs."""
     return self.n * self.n

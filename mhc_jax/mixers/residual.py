@@ -10,6 +10,9 @@ class Residual(Mixer):
   n: int = 1
   doubly_stochastic = True  # H_res = I
 
+  def layer_params(self, width: int) -> int:
+    return 0
+
   def __call__(self, x_BTnC, sublayer, layer=0):
     if x_BTnC.shape[-2] != 1:
       raise ValueError(f"residual: expects 1 stream, got state with n={x_BTnC.shape[-2]}")

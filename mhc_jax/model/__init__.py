@@ -1,6 +1,7 @@
 """The decoder Transformer with pluggable residual mixers."""
 from mhc_jax.model.params import count_params, expected_params
-from mhc_jax.model.transformer import Transformer, loop_to_scan, probe_shape, scan_to_loop
+from mhc_jax.model.transformer import (Transformer, loop_to_scan, make_mixer, probe_shape,
+                                      scan_to_loop, state_shapes, zero_probes)
 
-__all__ = ["Transformer", "count_params", "expected_params", "loop_to_scan", "probe_shape",
-           "scan_to_loop"]
+__all__ = ["Transformer", "count_params", "expected_params", "loop_to_scan", "make_mixer",
+           "probe_shape", "scan_to_loop", "state_shapes", "zero_probes"]

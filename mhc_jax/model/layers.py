@@ -56,7 +56,8 @@ class Attention(nn.Module):
   init_scale: float = 1.0
 
   @nn.compact
-  def __call__(self, x_BTC):
+  def __call__(self, x_BTC, value_fn=None):
+    """``value_fn`` (from a value-residual mixer) maps the values ``[B, T, H, D]`` before use."""
     c = x_BTC.shape[-1]
     d = c // self.heads
 
@@ -66,9 +67,14 @@ class Attention(nn.Module):
                                  kernel_init(self.init_scale), ("embed", "heads", "kv")))(x_BTC)
 
     q, k, v = proj("query"), proj("key"), proj("value")                  # [B,T,H,D]
+    if value_fn is not None:
+      v = value_fn(v)
     if self.qk_norm:
       q = RMSNorm(self.dtype, name="q_norm")(q)
       k = RMSNorm(self.dtype, name="k_norm")(k)
+    # probes read q and k before RoPE too (the rotation is a function of position, not content)
+    self.sow("intermediates", "q_pre_rope", q)
+    self.sow("intermediates", "k_pre_rope", k)
     if self.use_rope:
       q, k = rope(q), rope(k)
     self.sow("intermediates", "q", q)

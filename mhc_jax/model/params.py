@@ -1,8 +1,6 @@
 """Parameter counts: measured from a parameter tree, and the closed form from a config."""
 from __future__ import annotations
 
-import math
-
 import jax
 import numpy as np
 
@@ -27,29 +25,19 @@ def count_params(params) -> dict[str, int]:
           "mixer": mixer}
 
 
-def mixer_layer_params(mixer: str, n: int, c: int, dynamic: bool = True) -> int:
-  """Parameters of one mixer layer, closed form."""
-  if mixer == "residual":
-    return 0
-  if mixer == "hc":
-    return 2 * n + n * n + ((2 * c + c * n + 2) if dynamic else 0)
-  r = n * n if mixer == "mhc" else math.factorial(n)
-  if mixer in ("mhc", "mhc_lite"):
-    return 2 * n + r + ((n * c * (2 * n + r) + 3) if dynamic else 0)
-  raise ValueError(f"no closed-form count for mixer {mixer!r}")
-
-
 def expected_params(cfg) -> dict[str, int]:
-  """The closed-form counts for a ModelConfig (vocab resolved); must equal ``count_params``."""
-  from mhc_jax.model.transformer import streams
+  """The closed-form counts for a ModelConfig (vocab resolved); must equal ``count_params``.
+
+  The mixer's share comes from the mixer itself (``layer_params``, ``collapse_params``).
+  """
+  from mhc_jax.model.transformer import make_mixer
   c, v, L = cfg.width, cfg.vocab, cfg.depth
   hidden, d = int(c * cfg.mlp_ratio), c // cfg.heads
-  n = streams(cfg)
+  mix = make_mixer(cfg)
   embedding = v * c + (0 if cfg.tied_embeddings else c * v)
-  block = 4 * c * c + 2 * c * hidden + 2 * c + (2 * d if cfg.qk_norm else 0)
-  dynamic = cfg.mixer_options.get("dynamic", True)
-  mixer = 2 * L * mixer_layer_params(cfg.mixer, n, c, dynamic)
-  mixer += n if cfg.mixer_options.get("collapse", "sum") == "learned" and n > 1 else 0
+  norms = 2 * c if type(mix).pre_norm else 0
+  block = 4 * c * c + 2 * c * hidden + norms + (2 * d if cfg.qk_norm else 0)
+  mixer = 2 * L * mix.layer_params(c) + mix.collapse_params(c)
   total = embedding + L * block + c + mixer
   return {"total": total, "embedding": embedding, "non_embedding": total - embedding,
           "mixer": mixer}

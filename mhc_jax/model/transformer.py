@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from mhc_jax import mixers
-from mhc_jax.mixers.base import Collapse
 from mhc_jax.model.layers import MLP, Attention, RMSNorm, kernel_init
 
 REMAT_POLICIES = {
@@ -34,49 +33,58 @@ def _dtype(name: str):
   return jnp.dtype(name)
 
 
+def make_mixer(cfg, name: str | None = None) -> mixers.Mixer:
+  """The config's mixer (``module_name=name``), told the model's 2L mixer layers."""
+  return mixers.get(cfg.mixer, module_name=name, layers=2 * cfg.depth, **cfg.mixer_options)
+
+
 def streams(cfg) -> int:
-  return int(cfg.mixer_options.get("n", 1 if cfg.mixer == "residual" else 4))
+  """The mixer's stream count ``n`` (1 for single-stream mixers)."""
+  return int(getattr(make_mixer(cfg), "n", 1))
 
 
-def mixer_kwargs(cfg) -> dict:
-  """Mixer options with the stream count filled in."""
-  return dict(cfg.mixer_options) | {"n": streams(cfg)}
+def _add(state, probe):
+  """Add a zero probe (same pytree as the state) so its gradient is dLoss/d(state)."""
+  return jax.tree.map(lambda s, p: s + p.astype(s.dtype), state, probe)
 
 
 class Block(nn.Module):
-  """One Transformer block: two mixer calls. Scanned: ``(x, (index, probe)) -> (x, ys)``."""
+  """One Transformer block: two mixer calls. Scanned: ``(state, (index, probe)) -> (state, ys)``."""
 
   cfg: object
 
   @nn.compact
-  def __call__(self, x_BTnC, xs):
+  def __call__(self, state, xs):
     cfg = self.cfg
     i, probe = xs
     dt = _dtype(cfg.dtype)
+    attn_mix, mlp_mix = make_mixer(cfg, "attn_mix"), make_mixer(cfg, "mlp_mix")
     out_scale = 1.0 / math.sqrt(2 * cfg.depth) if cfg.init == "depth_scaled" else 1.0
-    opts = mixer_kwargs(cfg)
-    attn_norm, mlp_norm = RMSNorm(dt, name="attn_norm"), RMSNorm(dt, name="mlp_norm")
+    out_scale *= attn_mix.sublayer_out_scale(2 * cfg.depth)
+    pre_norm = type(attn_mix).pre_norm
+    attn_norm = RMSNorm(dt, name="attn_norm") if pre_norm else (lambda h: h)
+    mlp_norm = RMSNorm(dt, name="mlp_norm") if pre_norm else (lambda h: h)
     attn = Attention(cfg.heads, cfg.rope, cfg.qk_norm, dt, out_scale, cfg.init_scale, name="attn")
     mlp = MLP(int(cfg.width * cfg.mlp_ratio), dt, out_scale, cfg.init_scale, name="mlp")
     logit_max = []
 
-    def attn_sub(h):
-      y, m = attn(attn_norm(h))
+    def attn_sub(h, value_fn=None):
+      y, m = attn(attn_norm(h), value_fn)
       logit_max.append(m)
       return y
 
-    def mlp_sub(h):
+    def mlp_sub(h, value_fn=None):
       return mlp(mlp_norm(h))
 
     if probe is not None:
-      x_BTnC = x_BTnC + probe[0].astype(x_BTnC.dtype)
-    x_BTnC, s_attn = mixers.get(cfg.mixer, module_name="attn_mix", **opts)(x_BTnC, attn_sub, 2 * i)
+      state = _add(state, jax.tree.map(lambda p: p[0], probe))
+    state, s_attn = attn_mix(state, attn_sub, 2 * i)
     if probe is not None:
-      x_BTnC = x_BTnC + probe[1].astype(x_BTnC.dtype)
-    x_BTnC, s_mlp = mixers.get(cfg.mixer, module_name="mlp_mix", **opts)(x_BTnC, mlp_sub, 2 * i + 1)
-    self.sow("intermediates", "stream", x_BTnC)
+      state = _add(state, jax.tree.map(lambda p: p[1], probe))
+    state, s_mlp = mlp_mix(state, mlp_sub, 2 * i + 1)
+    self.sow("intermediates", "stream", attn_mix.stream(state))
     stats = jax.tree.map(lambda a, b: jnp.stack([a, b]), s_attn, s_mlp)
-    return x_BTnC, (stats, logit_max[0])
+    return state, (stats, logit_max[0])
 
 
 def _block_cls(cfg):
@@ -96,24 +104,27 @@ class Transformer(nn.Module):
     embed = self.param("embedding", nn.with_logical_partitioning(
         nn.initializers.normal(1.0), ("vocab", "embed")), (cfg.vocab, c), jnp.float32)
     x_BTC = jnp.take(embed, tokens_BT, axis=0).astype(dt)
-    x = mixers.get(cfg.mixer, **mixer_kwargs(cfg)).expand(x_BTC)
+    mixer = make_mixer(cfg).clone(parent=None)  # unbound: expand/collapse specs only
+    state = mixer.expand(x_BTC)
     block = _block_cls(cfg)
     idx = jnp.arange(L)
     if cfg.scan:
       scanned = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                         split_rngs={"params": True}, in_axes=0, length=L,
                         metadata_params={nn.PARTITION_NAME: "layers"})
-      x, (stats, logit_max) = scanned(cfg, name="blocks")(x, (idx, probes))
+      state, (stats, logit_max) = scanned(cfg, name="blocks")(state, (idx, probes))
     else:
       ys = []
       for l in range(L):
-        x, y = block(cfg, name=f"block_{l}")(x, (l, None if probes is None else probes[l]))
+        probe = None if probes is None else jax.tree.map(lambda p: p[l], probes)
+        state, y = block(cfg, name=f"block_{l}")(state, (l, probe))
         ys.append(y)
       stats, logit_max = jax.tree.map(lambda *a: jnp.stack(a), *ys)
     stats = jax.tree.map(lambda a: a.reshape((2 * L,) + a.shape[2:]), stats)
     if out_probe is not None:
-      x = x + out_probe.astype(x.dtype)
-    x = Collapse(streams(cfg), cfg.mixer_options.get("collapse", "sum"), name="collapse")(x)
+      state = _add(state, out_probe)
+    collapse_cls, collapse_kw = mixer.collapse_module()
+    x = collapse_cls(**collapse_kw, name="collapse")(state)
     h_BTC = RMSNorm(dt, name="final_norm")(x)
     if cfg.tied_embeddings:
       logits = jnp.einsum("btc,vc->btv", h_BTC, embed.astype(dt)) / math.sqrt(c)
@@ -128,8 +139,28 @@ class Transformer(nn.Module):
     return logits, aux
 
 
+def state_shapes(cfg, batch: int, length: int):
+  """The mixer state's pytree of ``jax.ShapeDtypeStruct`` for ``[batch, length]`` tokens."""
+  x = jax.ShapeDtypeStruct((batch, length, cfg.width), _dtype(cfg.dtype))
+  return jax.eval_shape(make_mixer(cfg).expand, x)
+
+
+def zero_probes(cfg, batch: int, length: int):
+  """``(layer_probes, out_probe)``: float32 zeros shaped like the state, with ``[L, 2]`` in front
+  for the layer probes. Their gradients are dLoss/d(state) before each mixer layer and at the
+  collapse input."""
+  st = state_shapes(cfg, batch, length)
+  layer = jax.tree.map(lambda s: jnp.zeros((cfg.depth, 2) + s.shape, jnp.float32), st)
+  out = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), st)
+  return layer, out
+
+
 def probe_shape(cfg, batch: int, length: int) -> tuple[int, ...]:
-  return (cfg.depth, 2, batch, length, streams(cfg), cfg.width)
+  """Layer-probe shape ``[L, 2, *state]`` for mixers whose state is one array."""
+  st = state_shapes(cfg, batch, length)
+  if not isinstance(st, jax.ShapeDtypeStruct):
+    raise ValueError(f"mixer {cfg.mixer!r}: the state is a pytree; use zero_probes")
+  return (cfg.depth, 2) + st.shape
 
 
 def scan_to_loop(params: dict, depth: int) -> dict:

@@ -14,7 +14,7 @@ import optax
 
 from mhc_jax import diagnostics as dg
 from mhc_jax import posterior
-from mhc_jax.model import probe_shape
+from mhc_jax.model import zero_probes
 from mhc_jax.train.state import State
 
 
@@ -60,8 +60,7 @@ def make_train_step(model, tx, schedule, cfg):
     b, t = batch["inputs"].shape
     probes = None
     if diag:
-      shape = probe_shape(cfg.model, b, t)
-      probes = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape[2:], jnp.float32))
+      probes = zero_probes(cfg.model, b, t)
     (total, (loss, z, aux)), (grads, g_probe) = jax.value_and_grad(
         loss_fn, argnums=(0, 1), has_aux=True)(state.params, probes, batch)
     grad_norm = optax.tree.norm(grads)
@@ -91,10 +90,11 @@ def make_train_step(model, tx, schedule, cfg):
 def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
   """Per-layer metrics from the model's stats and the probe gradients (all on device)."""
   L2 = 2 * depth
-  g_layers, g_out = g_probe
-  g = g_layers.reshape((L2,) + g_layers.shape[2:]).astype(jnp.float32)  # [2L, B, T, n, C]
-  grad_rms = jnp.sqrt(jnp.mean(jnp.square(g), axis=tuple(range(1, g.ndim))))
-  grad_out = jnp.sqrt(jnp.mean(jnp.square(g_out.astype(jnp.float32))))
+  g_layers, g_out = g_probe  # pytrees shaped like the mixer state ([L, 2, ...] in front)
+  flat = [g.reshape((L2, -1)).astype(jnp.float32) for g in jax.tree.leaves(g_layers)]
+  grad_rms = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=1) for g in flat)
+                      / sum(g.shape[1] for g in flat))                    # [2L]
+  grad_out = dg.tree_rms(g_out)
   out = dg.layer_metrics(aux["stats"], grad_rms=grad_rms, grad_rms_out=grad_out)
   out["grad_rms"] = grad_rms
   out["attn_logit_max"] = aux["attn_logit_max"]
@@ -102,6 +102,9 @@ def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
     out[k] = aux[k]
   s = aux["stats"]
   out["growth_exponent"] = dg.growth_exponent(s["rms_in"][0], s["rms_out"][-1], L2)
+  # Both over the 2L mixer layers, in the direction the signal travels (docs/interfaces.md):
+  # activations from the stream entering layer 0 to the one leaving layer 2L-1; gradients from
+  # the collapse input (after layer 2L-1) back to the stream entering layer 0.
   out["growth_exponent_grad"] = dg.growth_exponent(grad_out, grad_rms[0], L2)
   blocks = grads["params"]["blocks"] if "blocks" in grads["params"] else None
   if blocks is not None:
