@@ -1,0 +1,187 @@
+"""Train-step speed against the machine: median step time, tokens/s and achieved GFLOP/s for
+each mixer, next to the same process's dense-matmul rate, so every figure is a ratio.
+
+    python benchmarks/step_bench.py                       # the issue-14 shape, core variants
+    python benchmarks/step_bench.py --mixers residual,mhc --variants scan,loop,diag
+    python benchmarks/step_bench.py --width 2048 --depth 8 --batch 8 --seq-len 1024 # GPU size
+
+Shape (default): width 256, 8 blocks, 8 sequences x 256 tokens, vocabulary 256, AdamW, the
+project's own train step (``mhc_jax.train.step.make_train_step``) jitted with the state donated,
+on one device. Variants: ``scan`` (nn.scan, diagnostics off), ``loop`` (Python loop over blocks),
+``diag`` (scan with the per-layer diagnostics on), ``bf16`` (scan, bfloat16 compute).
+
+Model FLOPs per step = 3 x forward (forward + backward), forward per token =
+2 x (matmul parameters, embedding excluded, the head counted once) + the attention score and
+value products (2 x 2 x T x C per block, causal counted in full). Mixer arithmetic is not
+counted: an mHC step that takes longer shows as a lower rate. ``xla_gflop`` is XLA's own count
+of the compiled step (cost analysis), for reference.
+
+Times are medians over ``--steps`` timed steps after ``--warmup`` untimed ones, each blocked on.
+On the 2-core CPU the whole default run takes about 10 minutes; nothing else should run then.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mhc_jax.model import Transformer
+from mhc_jax.train.config import load_config
+from mhc_jax.train.optim import make_optimizer
+from mhc_jax.train.state import State
+from mhc_jax.train.step import make_train_step
+
+VARIANTS = ("scan", "loop", "diag", "bf16")
+
+
+def median_time(fn, steps: int, warmup: int) -> tuple[float, float]:
+  """(first call incl. compile [s], median of the timed calls [s])."""
+  t = time.perf_counter()
+  jax.block_until_ready(fn())
+  first = time.perf_counter() - t
+  for _ in range(warmup):
+    jax.block_until_ready(fn())
+  times = []
+  for _ in range(steps):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    times.append(time.perf_counter() - t)
+  return first, statistics.median(times)
+
+
+def matmul_rate(m: int = 2048, k: int = 1024, n: int = 4096, steps: int = 10) -> float:
+  """GFLOP/s of a dense float32 ``[m, k] @ [k, n]`` matmul in this process."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
+  b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)
+  f = jax.jit(jnp.matmul)
+  _, t = median_time(lambda: f(a, b), steps, 3)
+  return 2 * m * k * n / t / 1e9
+
+
+def model_flops(cfg, tokens: int, seq_len: int) -> float:
+  """Training FLOPs of one step (3 x forward), mixers excluded (see the module docstring)."""
+  m, c = cfg.model, cfg.model.width
+  hidden = int(c * m.mlp_ratio)
+  per_block = 4 * c * c + 2 * c * hidden                     # q, k, v, out; up, down
+  matmul_params = m.depth * per_block + c * m.vocab         # + the LM head
+  fwd = 2 * matmul_params + m.depth * 2 * 2 * seq_len * c   # + scores and values
+  return 3.0 * fwd * tokens
+
+
+def build(cfg, variant: str):
+  """(jitted step, state, batch) for a config and variant."""
+  model = Transformer(cfg.model)
+  b, t = cfg.data.batch_size, cfg.data.seq_len
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (b, t + 1), 0, cfg.model.vocab)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((b, t))}
+  tx, schedule = make_optimizer(cfg.optim, 1000)
+  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"]))
+  state = State(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
+                nonfinite=jnp.zeros((), jnp.int32))
+  step = make_train_step(model, tx, schedule, cfg)
+  fn = jax.jit(functools.partial(step, diag=variant == "diag"), donate_argnums=0)
+  return fn, state, batch
+
+
+def run_one(base_overrides, mixer: str, variant: str, steps: int, warmup: int) -> dict:
+  ov = list(base_overrides) + [f"model.mixer={mixer}"]
+  if variant == "loop":
+    ov.append("model.scan=false")
+  if variant == "bf16":
+    ov.append("model.dtype=bfloat16")
+  cfg = load_config(None, ov)
+  fn, state, batch = build(cfg, variant)
+  t0 = time.perf_counter()
+  xla = fn.lower(state, batch).compile().cost_analysis()
+  compile_s = time.perf_counter() - t0
+  xla = xla[0] if isinstance(xla, (list, tuple)) else xla
+  box = [state]
+
+  def one():
+    box[0], metrics = fn(box[0], batch)
+    return metrics["loss"]
+
+  _, med = median_time(one, steps, warmup)
+  b, t = cfg.data.batch_size, cfg.data.seq_len
+  flops = model_flops(cfg, b * t, t)
+  return {"mixer": mixer, "variant": variant, "compile_s": round(compile_s, 2),
+          "step_s": round(med, 4), "tokens_per_s": round(b * t / med, 1),
+          "gflop_per_s": round(flops / med / 1e9, 2), "model_gflop": round(flops / 1e9, 2),
+          "xla_gflop": round(float(xla.get("flops", float("nan"))) / 1e9, 2)}
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--mixers", default="residual,hc,mhc,mhc_lite")
+  ap.add_argument("--variants", default="scan,loop,diag,bf16",
+                  help=f"comma list of {VARIANTS}; loop/diag/bf16 run for residual and mhc only "
+                       "unless --all-variants")
+  ap.add_argument("--all-variants", action="store_true")
+  ap.add_argument("--width", type=int, default=256)
+  ap.add_argument("--depth", type=int, default=8)
+  ap.add_argument("--heads", type=int, default=4)
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq-len", type=int, default=256)
+  ap.add_argument("--vocab", type=int, default=256)
+  ap.add_argument("--n", type=int, default=4, help="streams for multi-stream mixers")
+  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--warmup", type=int, default=2)
+  ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  args = ap.parse_args(argv)
+  variants = [v for v in args.variants.split(",") if v]
+  bad = sorted(set(variants) - set(VARIANTS))
+  if bad:
+    print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+    return 2
+  base = [f"model.width={args.width}", f"model.depth={args.depth}", f"model.heads={args.heads}",
+          f"model.vocab={args.vocab}", f"data.batch_size={args.batch}",
+          f"data.seq_len={args.seq_len}", "data.task=bijection", "optim.warmup_steps=0",
+          "mesh.data=1"]
+  rate = matmul_rate()
+  print(f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  print(f"dense matmul (2048x1024 @ 1024x4096, f32): {rate:.1f} GFLOP/s")
+  rows = []
+  for mixer in [m for m in args.mixers.split(",") if m]:
+    for variant in variants:
+      if variant != "scan" and mixer not in ("residual", "mhc") and not args.all_variants:
+        continue
+      ov = base + ([f"model.mixer_options.n={args.n}"] if mixer != "residual" else [])
+      try:
+        row = run_one(ov, mixer, variant, args.steps, args.warmup)
+      except Exception as e:  # a mixer that cannot run this shape: say so, keep going
+        print(f"{mixer:>14} {variant:>5}  failed: {type(e).__name__}: {e}", flush=True)
+        continue
+      row["of_matmul_rate"] = round(row["gflop_per_s"] / rate, 3)
+      rows.append(row)
+      print(f"{mixer:>14} {variant:>5}  step {row['step_s']:.3f} s  "
+            f"{row['tokens_per_s']:>9.0f} tok/s  {row['gflop_per_s']:6.1f} GFLOP/s "
+            f"({100 * row['of_matmul_rate']:.0f}% of matmul)  compile {row['compile_s']:.1f} s",
+            flush=True)
+  by = {(r["mixer"], r["variant"]): r["step_s"] for r in rows}
+  res = by.get(("residual", "scan"))
+  print("\nratios (step time):")
+  if res and ("residual", "loop") in by:
+    print(f"  residual scan / loop: {res / by[('residual', 'loop')]:.2f}")
+  if res and ("residual", "diag") in by:
+    print(f"  residual diag on / off: {by[('residual', 'diag')] / res:.2f}")
+  for m in ("hc", "mhc", "mhc_lite"):
+    if res and (m, "scan") in by:
+      print(f"  {m} / residual (scan): {by[(m, 'scan')] / res:.2f}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"matmul_gflop_per_s": rate, "rows": rows, "argv": argv or sys.argv[1:]}, f,
+                indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
