@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= dev,notebooks,tfds,tb
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast lint demo bench clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow"
+
+lint: $(STAMP)  # the formatter check and the linter (configured in pyproject.toml)
+	$(VENV)/bin/ruff format --check mhc_jax tests benchmarks
+	$(VENV)/bin/ruff check mhc_jax tests benchmarks
 
 demo: $(STAMP)
 	$(VENV)/bin/mhc-jax sweep configs/sweeps/quickstart.yaml

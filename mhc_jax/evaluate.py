@@ -57,7 +57,7 @@ PCA_MAX_POINTS = 4096
 
 
 def _usage(msg: str):
-  from mhc_jax.cli import UsageError
+  from mhc_jax.errors import UsageError
   return UsageError(msg)
 
 

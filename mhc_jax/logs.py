@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
+import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 import pandas as pd
+
+from mhc_jax import storage
 
 __all__ = [
     "JsonlWriter",
@@ -45,33 +46,27 @@ LONG_COLUMNS = ["step", "metric", "layer", "value"]
 
 
 # =========================================================================== writing
-def _default(o: Any) -> Any:
-    """json ``default`` hook: numpy/jax scalars and arrays -> plain Python (lists)."""
-    if isinstance(o, np.generic) or hasattr(o, "__array__"):
-        a = np.asarray(o)
-        if a.dtype.kind == "V":  # bfloat16 and other ml_dtypes floats
-            a = a.astype(np.float64)
-        if a.dtype.kind == "c":
-            raise TypeError(f"complex values are not JSON-serialisable: {o!r}")
-        return a.tolist()
-    if isinstance(o, Mapping):
-        return dict(o)
-    if isinstance(o, (set, frozenset)):
-        return sorted(o)
-    if isinstance(o, os.PathLike):
-        return os.fspath(o)
-    raise TypeError(f"Object of type {type(o).__name__} is not JSON serialisable")
-
-
 def to_jsonable(record: Any) -> str:
     """One record as a single JSON line (no trailing newline); NaN/Infinity allowed."""
-    return json.dumps(record, default=_default, allow_nan=True, separators=(",", ":"))
+    return json.dumps(record, default=storage.json_default, allow_nan=True, separators=(",", ":"))
 
 
-def _repair_tail(path: Path) -> None:
-    """Make ``path`` end at a line boundary: a last line without its newline is completed if
-    it is a whole JSON object, otherwise (a write cut short by a kill) removed."""
-    if not path.exists() or path.stat().st_size == 0:
+def _complete_lines(data: bytes) -> bytes:
+    """``data`` ending at a line boundary: a last line without its newline is completed if it
+    is a whole JSON object, otherwise (a write cut short by a kill) dropped."""
+    if not data or data.endswith(b"\n"):
+        return data
+    cut = data.rfind(b"\n") + 1
+    try:
+        complete = isinstance(json.loads(data[cut:]), dict)
+    except ValueError:
+        complete = False
+    return data + b"\n" if complete else data[:cut]
+
+
+def _repair_tail(path: str) -> None:
+    """Make the local file ``path`` end at a line boundary (see :func:`_complete_lines`)."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
         return
     with open(path, "r+b") as f:
         f.seek(-1, os.SEEK_END)
@@ -79,54 +74,83 @@ def _repair_tail(path: Path) -> None:
             return
         f.seek(0)
         data = f.read()
-        cut = data.rfind(b"\n") + 1
-        try:
-            complete = isinstance(json.loads(data[cut:]), dict)
-        except ValueError:
-            complete = False
-        if complete:
+        fixed = _complete_lines(data)
+        if len(fixed) > len(data):
             f.seek(0, os.SEEK_END)
             f.write(b"\n")
         else:
-            f.truncate(cut)
+            f.truncate(len(fixed))
 
 
 class JsonlWriter:
-    """Append-only JSONL writer: one object per line, flushed after every write.
+    """Append-only JSONL writer: one object per line.
 
-    ``fsync=True`` also forces each line to disk (slower; for runs that may be killed hard).
-    Opening repairs a partial last line left by a killed writer (see :func:`_repair_tail`),
-    so appended records never merge into garbage. Use as a context manager or ``close()``.
+    Local files are appended to and flushed after every write (``fsync=True`` also forces each
+    line to disk); opening repairs a partial last line left by a killed writer, so appended
+    records never merge into garbage. On an object store (``gs://...``, no appends) the file
+    is rewritten whole by :meth:`flush`, at most every ``flush_secs`` seconds on its own and
+    whenever the caller asks (the trainer flushes before every checkpoint, so the logs of the
+    steps a checkpoint holds are stored before it). Use as a context manager or ``close()``.
     """
 
-    def __init__(self, path: str | os.PathLike, fsync: bool = False):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike, fsync: bool = False, flush_secs: float = 30.0):
+        self.path = storage.path(path)
         self.fsync = fsync
+        self.local = storage.is_local(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _repair_tail(self.path)
-        self._f = open(self.path, "a", encoding="utf-8")
+        if self.local:
+            _repair_tail(os.fspath(self.path))
+            self._f = open(self.path, "a", encoding="utf-8")
+        else:
+            self._f = None
+            self._buf = [_complete_lines(self.path.read_bytes()) if self.path.exists() else b""]
+            self._dirty, self._closed = False, False
+            self.flush_secs, self._last = flush_secs, time.monotonic()
 
     def write(self, record: Mapping[str, Any]) -> None:
         line = to_jsonable(dict(record))  # serialise first: a bad record writes nothing
-        self._f.write(line + "\n")
-        self._f.flush()
-        if self.fsync:
-            os.fsync(self._f.fileno())
+        if self.local:
+            self._f.write(line + "\n")
+            self._f.flush()
+            if self.fsync:
+                os.fsync(self._f.fileno())
+            return
+        self._buf.append(line.encode() + b"\n")
+        self._dirty = True
+        if time.monotonic() - self._last >= self.flush_secs:
+            self.flush()
 
     def write_many(self, records: Iterable[Mapping[str, Any]]) -> None:
         for r in records:
             self.write(r)
 
+    def flush(self) -> None:
+        """Everything written so far is stored (locally: on disk with ``fsync``)."""
+        if self.local:
+            if not self._f.closed:
+                self._f.flush()
+                if self.fsync:
+                    os.fsync(self._f.fileno())
+            return
+        if self._dirty:
+            data = b"".join(self._buf)
+            self._buf = [data]
+            self.path.write_bytes(data)
+            self._dirty = False
+        self._last = time.monotonic()
+
     @property
     def closed(self) -> bool:
-        return self._f.closed
+        return self._f.closed if self.local else self._closed
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            if self.fsync:
-                os.fsync(self._f.fileno())
+        if self.closed:
+            return
+        self.flush()
+        if self.local:
             self._f.close()
+        else:
+            self._closed = True
 
     def __enter__(self) -> "JsonlWriter":
         return self
@@ -136,7 +160,7 @@ class JsonlWriter:
 
 
 # =========================================================================== reading
-def _parse_lines(raw: bytes, path: Path) -> list[tuple[bytes, Any]]:
+def _parse_lines(raw: bytes, path) -> list[tuple[bytes, Any]]:
     """(line, parsed) for each non-blank line; a bad *last* line is dropped (a write cut
     short), a bad line anywhere else is corruption and raises ValueError."""
     lines = [ln for ln in raw.split(b"\n") if ln.strip()]
@@ -153,21 +177,20 @@ def _parse_lines(raw: bytes, path: Path) -> list[tuple[bytes, Any]]:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
     """All records of a JSONL file; tolerates a truncated last line (dropped)."""
-    path = Path(path)
+    path = storage.path(path)
     return [rec for _, rec in _parse_lines(path.read_bytes(), path)]
 
 
-def truncate_after(path: str | os.PathLike, step: int, fsync: bool = True) -> int:
+def truncate_after(path: str | os.PathLike, step: int) -> int:
     """Drop records with ``record["step"] > step`` from a JSONL file, atomically.
 
-    The kept lines are copied byte for byte (order preserved, lines without a ``step``
-    kept) into a temporary file in the same directory, which then replaces the original
-    (``os.replace``); a crash at any point leaves either the old or the new file. A partial
-    last line is dropped. Returns the number of records dropped (0 if the file is missing).
-    Do this before opening a writer on the file: a writer opened earlier keeps appending to
-    the replaced inode.
+    The kept lines are copied byte for byte (order preserved, lines without a ``step`` kept)
+    and replace the file atomically (:func:`mhc_jax.storage.write_bytes_atomic`): a crash at
+    any point leaves either the old or the new file. A partial last line is dropped. Returns
+    the number of records dropped (0 if the file is missing). Do this before opening a writer
+    on the file: a writer opened earlier keeps appending to the replaced file.
     """
-    path = Path(path)
+    path = storage.path(path)
     if not path.exists():
         return 0
     kept, dropped = [], 0
@@ -176,29 +199,8 @@ def truncate_after(path: str | os.PathLike, step: int, fsync: bool = True) -> in
             dropped += 1
         else:
             kept.append(line)
-    mode = stat.S_IMODE(path.stat().st_mode)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"".join(ln + b"\n" for ln in kept))
-            f.flush()
-            if fsync:
-                os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    if fsync:
-        try:
-            dfd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
-        except OSError:  # directories cannot be fsynced on every platform
-            pass
+    mode = stat.S_IMODE(os.stat(path).st_mode) if storage.is_local(path) else None
+    storage.write_bytes_atomic(path, b"".join(ln + b"\n" for ln in kept), mode=mode)
     return dropped
 
 
@@ -215,8 +217,8 @@ def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict
     return out
 
 
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "config.yaml"
+def _read_config(run_dir) -> dict[str, Any]:
+    path = storage.path(run_dir) / "config.yaml"
     if not path.exists():
         return {}
     import yaml
@@ -225,7 +227,8 @@ def _read_config(run_dir: Path) -> dict[str, Any]:
     return flatten_dict(cfg) if isinstance(cfg, Mapping) else {"config": cfg}
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path) -> dict[str, Any]:
+    path = storage.path(path)
     if not path.exists():
         return {}
     return json.loads(path.read_text())
@@ -280,7 +283,7 @@ def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
     float ``value`` column. Either way ``df.attrs`` holds ``config`` (flattened
     ``config.yaml``, ``{}`` if missing), ``summary`` (``summary.json``) and ``run_dir``.
     """
-    run_dir = Path(run_dir)
+    run_dir = storage.path(run_dir)
     path = run_dir / "metrics.jsonl"
     rows = _records_by_step(read_jsonl(path)) if path.exists() else []
     df = pd.DataFrame(rows) if rows else pd.DataFrame({"step": pd.Series([], dtype=np.int64)})
@@ -294,7 +297,7 @@ def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
 def load_events(run_dir: str | os.PathLike) -> pd.DataFrame:
     """Events of one run (``events.jsonl``): columns step, kind, value, threshold (+extras),
     in file order; an empty frame with those columns when there are none."""
-    path = Path(run_dir) / "events.jsonl"
+    path = storage.path(run_dir) / "events.jsonl"
     records = read_jsonl(path) if path.exists() else []
     df = pd.DataFrame(records)
     for c in EVENT_COLUMNS:
@@ -304,7 +307,7 @@ def load_events(run_dir: str | os.PathLike) -> pd.DataFrame:
 
 
 # =========================================================================== sweeps
-def _manifest_runs(sweep_dir: Path) -> dict[str, dict[str, Any]]:
+def _manifest_runs(sweep_dir) -> dict[str, dict[str, Any]]:
     manifest = _read_json(sweep_dir / "manifest.json")
     if not manifest:
         raise FileNotFoundError(f"no manifest.json in {sweep_dir}")
@@ -340,7 +343,7 @@ def load_sweep(sweep_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame
     maps override keys to their columns and ``df.attrs["runs"]`` holds each loaded run's
     ``config``/``summary``/``status``.
     """
-    sweep_dir = Path(sweep_dir)
+    sweep_dir = storage.path(sweep_dir)
     runs = _manifest_runs(sweep_dir)
     frames: dict[str, pd.DataFrame] = {}
     for name, info in runs.items():
@@ -369,7 +372,7 @@ def load_summaries(sweep_dir: str | os.PathLike) -> pd.DataFrame:
     """One row per run in the manifest: ``run``, ``status``, the override columns, then the
     flattened ``summary.json`` fields (missing summary -> NaN). A summary key that clashes
     with those front columns is prefixed ``summary.``."""
-    sweep_dir = Path(sweep_dir)
+    sweep_dir = storage.path(sweep_dir)
     runs = _manifest_runs(sweep_dir)
     axes = _axis_names(runs)
     front = ["run", "status", *axes]

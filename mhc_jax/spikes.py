@@ -3,8 +3,8 @@
 Streaming detectors are fed one value per step by the training loop and can be saved in
 and restored from a checkpoint (``state_dict`` / ``load_state_dict``, JSON-safe plain
 Python values), so a resumed run makes exactly the same decisions as an uninterrupted one.
-The offline functions at the bottom analyse whole logged series (REFERENCE.md "Spikes and
-instability measures").
+The offline functions at the bottom analyse whole logged series: ``spike_mask`` (the streaming
+rule over a whole series) and the learning-rate sensitivity of Wortsman et al. (2023).
 
 Conventions
 -----------
@@ -33,7 +33,6 @@ __all__ = [
     "SpikeMonitor",
     "DivergenceRule",
     "spike_mask",
-    "spike_fraction_sigma",
     "lr_sensitivity",
 ]
 
@@ -131,11 +130,12 @@ class SpikeMonitor:
     """Loss and grad-norm spike detection plus a running spike score.
 
     ``update(step, loss, grad_norm=None) -> (events, spike_score)``: ``events`` is a list of
-    event dicts in the docs/interfaces.md format (kinds ``spike/loss``, ``spike/grad``;
-    a non-finite value is reported as a spike of its kind with ``value`` NaN/inf — the
-    trainer owns ``nonfinite`` and ``divergence`` events). ``spike_score`` is the fraction of
-    spike steps (loss or grad norm spiked) among the last ``score_window`` updates (among all
-    updates so far while fewer).
+    event dicts in the docs/interfaces.md format (kinds ``spike/loss``, ``spike/grad``) for the
+    finite values above their threshold. A non-finite step is not a spike (the trainer logs one
+    ``nonfinite`` event for it): feed it to :meth:`skip`, which leaves the detectors' histories
+    alone but counts the step as unstable in the score. ``spike_score`` is the fraction of
+    unstable steps (a spike or non-finite) among the last ``score_window`` steps (among all
+    steps so far while fewer); ``total_spikes`` counts the steps with a spike.
     """
 
     def __init__(
@@ -164,6 +164,8 @@ class SpikeMonitor:
             if value is None:
                 continue
             v = _scalar(value)
+            if not math.isfinite(v):
+                continue
             is_spike, thr = det.update(v)
             if is_spike:
                 events.append({"step": int(step), "kind": kind, "value": v, "threshold": thr})
@@ -172,6 +174,12 @@ class SpikeMonitor:
         self.total_steps += 1
         self.total_spikes += spiked
         return events, self.spike_score
+
+    def skip(self, step: int) -> tuple[list[dict[str, Any]], float]:
+        """A non-finite step: no spike event, no history, an unstable step in the score."""
+        self._flags.append(1)
+        self.total_steps += 1
+        return [], self.spike_score
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -204,8 +212,12 @@ class DivergenceRule:
       (default ``warmup = window``: a loss still above its starting value after the first
       window of steps is going the wrong way).
 
-    Divergence is declared after ``patience`` bad steps in a row (reason ``"ratio"`` or
-    ``"above_init"``, from the last step), or at once on a non-finite loss (``"nonfinite"``).
+    * the loss is non-finite (a step the trainer skipped or halted on); it does not enter
+      the window.
+
+    Divergence is declared after ``patience`` bad steps in a row; ``reason`` is the last
+    step's (``"ratio"``, ``"above_init"`` or ``"nonfinite"``). So a run whose every update is
+    skipped as non-finite diverges, while a single skipped step does not.
     """
 
     def __init__(self, factor: float = 2.0, window: int = 100, patience: int = 5, warmup: int | None = None):
@@ -227,8 +239,10 @@ class DivergenceRule:
         v = _scalar(loss)
         self.steps += 1
         if not math.isfinite(v):
-            self.diverged, self.reason, self.threshold = True, "nonfinite", math.nan
-            return True
+            self.streak += 1
+            if self.streak >= self.patience:
+                self.diverged, self.reason, self.threshold = True, "nonfinite", math.nan
+            return self.diverged
         if self.initial is None:
             self.initial = v
         reason, thr = None, math.nan
@@ -286,37 +300,6 @@ def spike_mask(
     det = RollingSpikeDetector(window, threshold, min_history, rel_std_floor, add_spikes)
     x = np.asarray(series, dtype=np.float64).ravel()
     return np.fromiter((det.update(v)[0] for v in x), dtype=bool, count=x.size)
-
-
-def spike_fraction_sigma(
-    series: Sequence[float] | np.ndarray,
-    window: int = 1000,
-    k: float = 7.0,
-    min_periods: int | None = None,
-) -> float:
-    """OLMo 2's spike measure: fraction of points at least ``k`` sigma from a rolling mean.
-
-    Mean and (population) std are over the trailing ``window`` points *before* each point;
-    a point is scored once at least ``min_periods`` finite points precede it in the window
-    (default ``max(2, window // 10)``). Two-sided: ``|x - mean| >= k * std`` with a nonzero
-    deviation (a flat series has no spikes). Non-finite points count as spikes and are left
-    out of the rolling statistics. Returns the fraction over scored points (NaN if none).
-    """
-    import pandas as pd  # only the offline analysis needs pandas
-
-    x = np.asarray(series, dtype=np.float64).ravel()
-    finite = np.isfinite(x)
-    mp = max(2, window // 10) if min_periods is None else int(min_periods)
-    s = pd.Series(np.where(finite, x, np.nan))
-    roll = s.rolling(window, min_periods=mp)
-    mean = roll.mean().shift(1).to_numpy()
-    std = roll.std(ddof=0).shift(1).to_numpy()
-    scored = np.isfinite(mean) & np.isfinite(std)
-    dev = np.abs(x - mean)
-    with np.errstate(invalid="ignore"):
-        spike = scored & ((~finite) | ((dev >= k * std) & (dev > 0)))
-    n = int(scored.sum())
-    return float(spike.sum()) / n if n else math.nan
 
 
 def lr_sensitivity(losses_by_lr: Mapping[float, float] | Sequence[float], loss_init: float) -> float:

@@ -5,10 +5,28 @@ import pathlib
 import pytest
 
 from mhc_jax.train.config import (
-    Config, ConfigError, DistConfig, MeshConfig, ModelConfig, apply_overrides, check_paths,
-    config_hash, data_option_names, from_dict, load_config, mixer_names, mixer_option_names,
-    parse_override, resolve_dist, save_config, to_dict, validate_mesh, with_data_vocab,
-    with_overrides, yaml_load)
+    Config,
+    ConfigError,
+    DistConfig,
+    MeshConfig,
+    ModelConfig,
+    apply_overrides,
+    check_paths,
+    config_hash,
+    data_option_names,
+    from_dict,
+    load_config,
+    mixer_names,
+    mixer_option_names,
+    parse_override,
+    resolve_dist,
+    save_config,
+    to_dict,
+    validate_mesh,
+    with_data_vocab,
+    with_overrides,
+    yaml_load,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Run configs; sweep files (base + axes) are loaded by tests/test_sweep.py.
@@ -45,7 +63,9 @@ def test_every_config_file_loads(path):
 def test_shipped_configs_content():
     q = load_config(str(ROOT / "configs/quickstart.yaml"))
     assert (q.model.depth, q.model.width, q.model.heads, q.model.mixer) == (2, 32, 2, "mhc")
-    assert q.model.mixer_options == {"n": 4}
+    assert q.model.mixer_options == {}  # mhc's own default: n = 4 streams
+    from mhc_jax import mixers
+    assert mixers.get("mhc").n == 4
     assert (q.data.task, q.data.seq_len, q.data.batch_size, q.train.steps) == ("bijection", 32, 16, 100)
     d = load_config(str(ROOT / "configs/debug.yaml"))
     assert d.train.steps == 5
@@ -93,14 +113,12 @@ def test_overrides_apply(tmp_path):
     path = _write(tmp_path, "model:\n  mixer: mhc\n  mixer_options:\n    n: 2\n")
     c = load_config(path, ["optim.lr=3e-3", "optim.weight_decay=0", "model.qk_norm=true",
                            "model.mixer_options.n=4", "model.mixer_options.sinkhorn_iters=7",
-                           "data.options.n_symbols=12", "train.population.size=3",
-                           "name=my-run"])
+                           "data.options.n_symbols=12", "name=my-run"])
     assert c.optim.lr == 0.003 and c.optim.weight_decay == 0.0
     assert isinstance(c.optim.weight_decay, float)  # ints accepted for floats, stored as float
     assert c.model.qk_norm is True
     assert c.model.mixer_options == {"n": 4, "sinkhorn_iters": 7}
     assert c.data.options == {"n_symbols": 12}
-    assert c.train.population == {"size": 3}
     assert c.name == "my-run"
 
 
@@ -123,7 +141,7 @@ def test_later_override_wins():
 def test_round_trip(tmp_path):
     c = load_config(None, ["model.mixer=mhc", "model.mixer_options.n=4",
                            "model.mixer_options.h_res_init=identity", "optim.eps=1e-8",
-                           "data.options.n_symbols=20", "train.population.lrs=[1e-3, 3e-3]",
+                           "data.options.n_symbols=20", "model.mixer_options.pre_init=onehot",
                            "dist.coordinator=localhost:1234", "name=rt"])
     assert from_dict(to_dict(c)) == c
     p = tmp_path / "saved.yaml"

@@ -5,7 +5,6 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-import pandas as pd
 import pytest
 
 from mhc_jax.logs import (

@@ -128,9 +128,17 @@ def test_nonfinite_member_leaves_the_others_alone(sweeps):
   gnorm = _series(bad, "grad_norm")
   assert np.isfinite(gnorm[:2]).all() and not np.isfinite(gnorm[2:]).any()
   summ = json.loads((bad / "summary.json").read_text())
-  assert summ["status"] == "done" and summ["nonfinite"] == STEPS - 2
-  kinds = [e["kind"] for e in logs.read_jsonl(bad / "events.jsonl")]
-  assert kinds.count("nonfinite") == summ["nonfinite"]
+  assert summ["nonfinite"] == STEPS - 2
+  # a member that skips every update has diverged (it is not `done`): after `patience` (5)
+  # non-finite steps in a row the divergence rule fires, with its reason in the event the
+  # report reads; training went on (train.halt_on_divergence is off)
+  assert summ["status"] == "diverged", summ
+  assert summ["divergence"] == {"step": 6, "reason": "nonfinite"}
+  events = logs.read_jsonl(bad / "events.jsonl")
+  assert [e["kind"] for e in events].count("nonfinite") == summ["nonfinite"]
+  assert [(e["step"], e["reason"]) for e in events if e["kind"] == "divergence"] == [
+      (6, "nonfinite")]
+  assert not [e for e in events if e["kind"].startswith("spike/")]  # not also spikes
   assert sweeps["record"]["programs_of_4"] == 1   # one compiled program for both populations
 
 

@@ -7,8 +7,9 @@ from mhc_jax.tb import TBWriter
 
 
 def _read_events(path):
-  from tensorboardX.proto import event_pb2
   import struct
+
+  from tensorboardX.proto import event_pb2
   out = []
   with open(path, "rb") as f:
     data = f.read()

@@ -20,6 +20,7 @@ import pytest
 from mhc_jax import logs
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import prepare, train
+from mhc_jax.train.optim import make_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ROOT / "configs" / "debug.yaml"
@@ -73,23 +74,39 @@ def test_same_loss_curve_on_every_mesh_as_on_one_device(mixer, tmp_path, fast_co
                                  err_msg=f"{mixer} {key} on mesh {d}x{f}x{t} vs one device")
 
 
-def test_nonfinite_skip_leaves_parameters_unchanged_and_counts(tmp_path, fast_compile):
-  k = 2  # the loss is made NaN at step k; checkpoints after every step keep states k, k+1, k+2
-  cfg = tiny("train.steps=4", f"train.inject_nonfinite_at={k}", "train.nonfinite=skip",
-             "train.ckpt_every=1", "train.keep_ckpts=3", "mesh.data=1")
-  summary = train(prepare(cfg, devices=jax.devices()[:1]), tmp_path, progress=False)
+K = 2  # the skip run: the loss is made NaN at step K; checkpoints after every step keep K..K+2
 
+
+@pytest.fixture(scope="module")
+def skip_run(tmp_path_factory):
+  """configs/debug.yaml for 4 steps with a NaN loss planted at step K (policy skip)."""
+  import jax
+  old = jax.config.read("jax_disable_most_optimizations")
+  jax.config.update("jax_disable_most_optimizations", True)
+  run = tmp_path_factory.mktemp("skip_run")
+  cfg = tiny("train.steps=4", f"train.inject_nonfinite_at={K}", "train.nonfinite=skip",
+             "train.ckpt_every=1", "train.keep_ckpts=3", "mesh.data=1")
+  try:
+    summary = train(prepare(cfg, devices=jax.devices()[:1]), run, progress=False)
+  finally:
+    jax.config.update("jax_disable_most_optimizations", old)
+  return cfg, run, summary
+
+
+def test_nonfinite_skip_leaves_parameters_unchanged_and_counts(skip_run):
+  cfg, run, summary = skip_run
+  k = K
   assert summary["status"] == "done" and summary["steps"] == 4 and summary["nonfinite"] == 1
-  loss, pnorm = series(tmp_path, "loss"), series(tmp_path, "param_norm")
-  assert [r["step"] for r in records(tmp_path)] == [0, 1, 2, 3]
+  loss, pnorm = series(run, "loss"), series(run, "param_norm")
+  assert [r["step"] for r in records(run)] == [0, 1, 2, 3]
   assert math.isnan(loss[k]) and np.isfinite(np.delete(loss, k)).all()
-  assert series(tmp_path, "nonfinite").tolist() == [0, 0, 1, 1]
+  assert series(run, "nonfinite").tolist() == [0, 0, 1, 1]
   assert pnorm[k] == pnorm[k - 1] and pnorm[k + 1] != pnorm[k]  # skipped, then trains on
-  events = logs.read_jsonl(tmp_path / "events.jsonl")
+  events = logs.read_jsonl(run / "events.jsonl")
   assert [e["step"] for e in events if e["kind"] == "nonfinite"] == [k]
 
   # state after k updates vs after the bad step: parameters and optimiser state identical
-  before, after, later = (restore_state(tmp_path, s) for s in (k, k + 1, k + 2))
+  before, after, later = (restore_state(run, s) for s in (k, k + 1, k + 2))
   assert int(after["step"]) == k + 1 and int(after["nonfinite"]) == 1
   jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
   jax.tree.map(np.testing.assert_array_equal, after["opt_state"], before["opt_state"])
@@ -98,7 +115,69 @@ def test_nonfinite_skip_leaves_parameters_unchanged_and_counts(tmp_path, fast_co
                  zip(jax.tree.leaves(later["params"]), jax.tree.leaves(after["params"])))
 
   # a finished run is never overwritten: without resume=True, train() refuses and writes nothing
-  files = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+  files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
   with pytest.raises(FileExistsError, match="already holds a run"):
-    train(prepare(cfg, devices=jax.devices()[:1]), tmp_path, progress=False)
-  assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == files
+    train(prepare(cfg, devices=jax.devices()[:1]), run, progress=False)
+  assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == files
+
+
+def test_a_nonfinite_step_is_one_event_not_three(skip_run):
+  """Defect: a NaN step was logged as spike/loss, spike/grad and nonfinite."""
+  _, run, summary = skip_run
+  at_k = [e["kind"] for e in logs.read_jsonl(run / "events.jsonl") if e["step"] == K]
+  assert at_k == ["nonfinite"]
+  assert summary["spikes"] == 0
+
+
+def _opt_count(state) -> int:
+  counts = {int(np.asarray(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(
+      state["opt_state"]) if "count" in jax.tree_util.keystr(path)}
+  assert len(counts) == 1, counts
+  return counts.pop()
+
+
+def test_logged_lr_is_the_lr_of_the_update_after_a_skipped_step(skip_run):
+  """Defect: after a skipped step the logged lr ran one schedule step ahead of the lr optax
+  used (optax counts applied updates; the skipped one is not)."""
+  cfg, run, _ = skip_run
+  schedule = make_schedule(cfg.optim, cfg.train.steps)
+  lr = series(run, "lr")
+  for step in (K, K + 1):  # the state before `step` is checkpoint `step`
+    used = float(schedule(_opt_count(restore_state(run, step))))
+    assert lr[step] == pytest.approx(used, rel=1e-6), (step, lr.tolist())
+  assert _opt_count(restore_state(run, K + 1)) == K  # the skipped update was not counted
+  assert lr[K + 1] != pytest.approx(float(schedule(K + 1)))  # the schedule moves per update
+
+
+def test_resume_restores_into_the_shards_without_a_fresh_state_and_replaces_summary(
+    tmp_path, monkeypatch, fast_compile):
+  """Defects: resuming built a whole fresh state before restoring (twice the memory), and
+  summary.json was rewritten in place (a reader could see half a file)."""
+  cfg = tiny("train.steps=4", "train.ckpt_every=2", "mesh.data=1")
+  devices = jax.devices()[:1]
+  train(prepare(cfg, devices=devices), tmp_path, progress=False)
+  ref = series(tmp_path, "loss")
+  # as a kill after the checkpoint at step 2 leaves it: the logs past it are dropped on resume
+  import shutil
+  shutil.rmtree(tmp_path / "checkpoints" / "4")
+  inode = (tmp_path / "summary.json").stat().st_ino
+  state_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(restore_state(tmp_path, 2)))
+
+  from mhc_jax.train.checkpoint import Checkpoints
+  live = []
+  real = Checkpoints.restore
+
+  def restore(self, *a, **kw):
+    live.append(sum(x.nbytes for x in jax.live_arrays()))
+    return real(self, *a, **kw)
+
+  monkeypatch.setattr(Checkpoints, "restore", restore)
+  import gc
+  gc.collect()
+  before = sum(x.nbytes for x in jax.live_arrays())
+  summary = train(prepare(cfg, devices=devices), tmp_path, resume=True, progress=False)
+  assert len(live) == 1
+  assert live[0] - before < state_bytes / 2, (live[0] - before, state_bytes)
+  assert summary["status"] == "done" and summary["steps"] == 4
+  np.testing.assert_allclose(series(tmp_path, "loss"), ref, rtol=1e-6)
+  assert (tmp_path / "summary.json").stat().st_ino != inode  # replaced whole, atomically

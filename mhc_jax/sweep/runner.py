@@ -164,7 +164,7 @@ def prepare_run_dir(run_dir: Path, cfg) -> str:
   """What to do with a run directory: ``"fresh"`` (none, or one without a checkpoint, which is
   then deleted so nothing of the earlier attempt remains), ``"resume"`` (it has a checkpoint),
   or ``"done"`` (summary.json says done and the last checkpoint is the final step)."""
-  from mhc_jax.sweep.population import _ckpt_steps
+  from mhc_jax.rundir import checkpoint_steps as _ckpt_steps
   if not run_dir.exists():
     return "fresh"
   steps = _ckpt_steps(run_dir)
@@ -341,7 +341,7 @@ def main(args) -> int:
   if not args.dry_run:
     import dataclasses
 
-    from mhc_jax.cli import init_distributed
+    from mhc_jax.train.dist import init_distributed
     cfg = init_distributed(sweep.runs[0].cfg, args)
     if cfg.dist != sweep.runs[0].cfg.dist:
       sweep.runs = [dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, dist=cfg.dist))

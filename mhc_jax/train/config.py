@@ -32,24 +32,20 @@ from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 
+from mhc_jax import storage
+from mhc_jax.errors import ConfigError
+
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "OptimConfig", "TrainConfig", "MeshConfig",
     "DistConfig", "Config", "load_config", "from_dict", "to_dict", "save_config", "config_hash",
     "apply_overrides", "parse_override", "with_overrides", "check_paths", "validate_mesh",
-    "resolve_dist", "with_data_vocab", "mixer_names", "mixer_option_names", "data_option_names",
-    "yaml_load",
-    "MIXER_OPTION_TYPES", "DEFAULT_VOCAB",
+    "resolve_dist", "with_data_vocab", "mixer_names", "mixer_option_names", "mixer_option_types",
+    "data_option_names", "yaml_load", "DEFAULT_VOCAB",
 ]
 
 DEFAULT_VOCAB = 256  # what a model uses when neither model.vocab nor the data source sets one
 
-_FALLBACK_MIXERS = ("residual", "hc", "mhc", "mhc_lite")
-TASKS = ("bijection", "hmm", "text", "tfds")
 POSTERIOR_TASKS = ("bijection", "hmm")  # tasks with an exact posterior (data.target=posterior)
-
-
-class ConfigError(ValueError):
-    """A bad config. The message names the dotted key and says what is wrong."""
 
 
 # ------------------------------------------------------------------------------------------
@@ -226,61 +222,48 @@ class _Section:
 
 
 # ------------------------------------------------------------------------------------------
-# Mixers: names come from the registry when it exists; options are free-form but typed.
+# Mixer options: the names and types are the mixers' own dataclass fields (mhc_jax.mixers);
+# the model handles `collapse`. Ranges a type cannot say are below; anything a mixer rejects
+# only when it builds its parameters (e.g. mhc_lite's n! permutations) train.loop.prepare finds
+# by tracing the model's initialisation, still before anything is written.
 
-def _registry():
-    try:
-        from mhc_jax import mixers  # lazy: imports jax and flax
-    except ImportError:
-        return None
-    return mixers if hasattr(mixers, "names") else None
+_MODEL_OPTION_TYPES = {"collapse": Literal["sum", "learned"]}
+_OPTION_MIN = {"n": 1, "sinkhorn_iters": 1}
 
 
 def mixer_names() -> tuple[str, ...]:
-    """Registered mixer names (``mhc_jax.mixers.names()``), or the built-in list before it exists."""
-    reg = _registry()
-    return tuple(reg.names()) if reg is not None else _FALLBACK_MIXERS
+    """Registered mixer names (``mhc_jax.mixers.names()``)."""
+    from mhc_jax import mixers  # lazy: imports jax and flax
+    return tuple(mixers.names())
+
+
+def mixer_option_types(mixer: str) -> dict[str, Any]:
+    """{option: type} of `mixer`: its dataclass fields (Flax internals left out) and the options
+    the model handles around it."""
+    from mhc_jax import mixers
+    cls = type(mixers.get(mixer))
+    hints = _hints(cls)
+    return {**{k: hints[k] for k in mixers.options(mixer)}, **_MODEL_OPTION_TYPES}
 
 
 def mixer_option_names(mixer: str) -> tuple[str, ...]:
-    """Option keys `mixer` accepts: the registry's ``options(mixer)`` plus the options the model
-    handles (``MODEL_OPTIONS``, e.g. collapse); every known key before the registry exists."""
-    reg = _registry()
-    if reg is None or not hasattr(reg, "options"):
-        return tuple(MIXER_OPTION_TYPES)
-    return (*reg.options(mixer), *getattr(reg, "MODEL_OPTIONS", ()))
-
-
-# key -> (type, extra check or None, description of the allowed values). Keys a mixer accepts
-# but this table lacks pass unchecked (plain YAML data).
-MIXER_OPTION_TYPES: dict[str, tuple[Any, Any, str]] = {
-    "n": (int, lambda v: v >= 1, "must be >= 1"),
-    "dynamic": (bool, None, ""),
-    "alpha_init": (float, None, ""),
-    "sinkhorn_iters": (int, lambda v: v >= 1, "must be >= 1"),
-    "sinkhorn_grad": (Literal["unroll", "implicit"], None, ""),
-    "h_res_init": (Literal["identity", "uniform"], None, ""),
-    "collapse": (Literal["sum", "learned"], None, ""),
-}
+    return tuple(mixer_option_types(mixer))
 
 
 def _check_mixer_options(mixer: str, opts: dict) -> dict:
     prefix = "model.mixer_options"
-    accepted = mixer_option_names(mixer)
+    types = mixer_option_types(mixer)
     out = {}
     for k, v in opts.items():
-        if k not in accepted:
-            if k not in MIXER_OPTION_TYPES:
-                raise _unknown_key(prefix, k, sorted(set(accepted) | set(MIXER_OPTION_TYPES)))
+        if k not in types:
+            every = sorted({o for m in mixer_names() for o in mixer_option_types(m)})
+            if k not in every:
+                raise _unknown_key(prefix, k, every)
             raise ConfigError(f"{prefix}.{k}: not an option of mixer {mixer!r}"
-                              f" (it takes: {', '.join(accepted)})")
-        if k not in MIXER_OPTION_TYPES:
-            out[k] = _check_plain(f"{prefix}.{k}", v)
-            continue
-        tp, check, what = MIXER_OPTION_TYPES[k]
-        v = _coerce(f"{prefix}.{k}", v, tp)
-        if check is not None and not check(v):
-            raise ConfigError(f"{prefix}.{k}: {what}, got {v!r}")
+                              f" (it takes: {', '.join(types)})")
+        v = _coerce(f"{prefix}.{k}", v, types[k])
+        if k in _OPTION_MIN and v < _OPTION_MIN[k]:
+            raise ConfigError(f"{prefix}.{k}: must be >= {_OPTION_MIN[k]}, got {v!r}")
         out[k] = v
     if mixer == "residual" and out.get("n", 1) != 1:
         raise ConfigError(f"{prefix}.n: the residual mixer has exactly one stream, got {out['n']}")
@@ -305,6 +288,7 @@ class ModelConfig(_Section):
     tied_embeddings: bool = True
     remat: Literal["none", "full", "dots"] = "none"
     scan: bool = True
+    scan_unroll: int = 1  # blocks per nn.scan iteration (>1 trades compile time for speed)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     param_dtype: Literal["float32"] = "float32"  # parameters and optimiser state stay float32
     init: Literal["standard", "depth_scaled"] = "standard"
@@ -314,7 +298,7 @@ class ModelConfig(_Section):
 
     def _check(self):
         self._at_least("vocab", 2)
-        for name in ("depth", "width", "heads"):
+        for name in ("depth", "width", "heads", "scan_unroll"):
             self._at_least(name, 1)
         self._at_least("mlp_ratio", 0, strict=True)
         self._at_least("init_scale", 0, strict=True)
@@ -425,7 +409,6 @@ class TrainConfig(_Section):
     spike_window: int = 128
     spike_threshold: float = 6.0  # in standard deviations of the trailing window
     halt_on_divergence: bool = False
-    population: Optional[dict] = None
     tensorboard: bool = False  # also write TensorBoard event files to <run>/tb (extra: tb)
     # Fault injection for testing the non-finite policy: the loss at this step is made NaN.
     inject_nonfinite_at: int = -1
@@ -511,6 +494,9 @@ class Config:
             _require(isinstance(v, cls), key, f"expected {cls.__name__}, got {_show(v)}")
         _require(self.optim.warmup_steps <= self.train.steps, "optim.warmup_steps",
                  f"{self.optim.warmup_steps} exceeds train.steps={self.train.steps}")
+        _require(not self.train.eval_every or self.data.eval_batches >= 1, "data.eval_batches",
+                 f"0 with train.eval_every={self.train.eval_every} would evaluate nothing; set "
+                 f"data.eval_batches >= 1, or train.eval_every=0 to turn evaluation off")
 
 
 _TOP_KEYS = ("name", *SECTIONS)
@@ -613,15 +599,15 @@ def with_overrides(cfg: Config, overrides: Any) -> Config:
     return from_dict(apply_overrides(to_dict(cfg), overrides))
 
 
-def _read_yaml(path: str) -> dict:
+def _read_yaml(path) -> dict:
     where = f"config file {path}"
-    if not os.path.exists(path):
+    path = storage.path(path)
+    if not path.exists():
         raise ConfigError(f"{where}: not found")
-    if os.path.isdir(path):
+    if path.is_dir():
         raise ConfigError(f"{where}: is a directory, expected a YAML file")
     try:
-        with open(path, encoding="utf-8") as f:
-            d = yaml_load(f)
+        d = yaml_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
         line = f" at line {mark.line + 1}" if mark is not None else ""
@@ -661,7 +647,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Any = (), *,
 
     Raises ConfigError for any problem, before anything is created or written.
     """
-    d = _read_yaml(os.fspath(path)) if path is not None else {}
+    d = _read_yaml(path) if path is not None else {}
     cfg = from_dict(apply_overrides(d, overrides))
     if check_files:
         check_paths(cfg)
@@ -670,14 +656,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Any = (), *,
 
 def save_config(cfg: Config, path: str | os.PathLike) -> None:
     """Write `cfg` as YAML (atomically); load_config(path) gives it back."""
-    path = os.fspath(path)
     header = (f"# mhc_jax config {cfg.name!r} (hash {config_hash(cfg)}).\n"
-              f"# Rerun: mhc-jax train --config {path}\n")
+              f"# Rerun: mhc-jax train --config {os.fspath(path)}\n")
     body = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(header + body)
-    os.replace(tmp, path)
+    storage.write_text_atomic(path, header + body)
 
 
 def config_hash(cfg: Config, length: int = 10) -> str:

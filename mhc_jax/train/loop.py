@@ -1,44 +1,47 @@
-"""The training loop: one jitted, sharded step per batch; host-side logging one step behind.
+"""The training engine: one loop for a single run and for a population of runs.
 
 ``prepare(cfg)`` validates everything that can be validated before a file is written (data
-source options, vocabulary, mesh vs devices). ``train(cfg, run_dir, resume)`` then runs:
-state created in its shards, optional restore from the latest orbax checkpoint (data position
-included: batch ``i`` is a pure function of ``(seed, i)``), and per step: dispatch step ``i``,
-then fetch and log step ``i-1`` (so the host never stalls the device), spike detection,
-divergence and non-finite policies, evaluation, checkpoints, SIGTERM handling. Only process 0
-writes files.
+source options, vocabulary, the validation split, mixer options the types cannot check, mesh
+vs devices). ``train(setup, run_dir, resume)`` trains one run; ``sweep.population`` trains
+several as one vmapped program through the same :func:`run_members`: a *program* (how the state
+is made, stepped, evaluated and split into members) and one :class:`~mhc_jax.train.recorder.
+Recorder` per member (its run directory: logs, events, rules, summary).
+
+Per step: dispatch step ``i``, then fetch and record step ``i-1`` (so the host never stalls the
+device); evaluation, checkpoints and SIGTERM as the config says. A member halted by policy
+stops (a population freezes it while the others go on); the step that was already dispatched
+when the halt was seen is applied and so it is logged too: the logs always end one step before
+the member's last checkpoint. Each run directory is locked while it is trained
+(:class:`mhc_jax.rundir.Lock`). Resuming restores each member's latest checkpoint (data
+position included: batch ``i`` is a pure function of ``(seed, i)``) straight into its shards;
+resuming a finished run changes nothing. Only process 0 writes files.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import signal
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from mhc_jax import data, logs, spikes
+from mhc_jax import data, rundir, storage
+from mhc_jax.errors import ConfigError, Preempted, RunHalted
 from mhc_jax.model import Transformer, count_params
-from mhc_jax.tb import TBWriter
-from mhc_jax.train import sharding as sh
+from mhc_jax.train import dist, sharding as sh
 from mhc_jax.train.checkpoint import Checkpoints
-from mhc_jax.train.config import Config, ConfigError, DistConfig, save_config, with_data_vocab
+from mhc_jax.train.config import Config, with_data_vocab
 from mhc_jax.train.optim import make_optimizer
-from mhc_jax.train.state import abstract_state, create_state
+from mhc_jax.train.recorder import Recorder
+from mhc_jax.train.state import abstract_boxed, abstract_state, create_state, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
 
-
-class RunHalted(RuntimeError):
-  """The run stopped by policy (non-finite values or divergence) after saving a checkpoint."""
-
-
-class Preempted(RuntimeError):
-  """SIGTERM: a checkpoint was saved and the run can be resumed."""
+__all__ = ["Setup", "prepare", "host_batch", "is_diag_step", "is_due", "train", "run_members",
+           "RunHalted", "Preempted"]
 
 
 @dataclasses.dataclass
@@ -60,11 +63,19 @@ def prepare(cfg: Config, devices=None) -> Setup:
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(f"data.options: {e}") from None
   cfg = with_data_vocab(cfg, source.vocab_size)
-  if cfg.model.vocab < source.vocab_size:
-    raise ConfigError(f"model.vocab: {cfg.model.vocab} is smaller than the data's vocabulary "
-                      f"({source.vocab_size})")
   if cfg.data.target == "posterior" and not source.has_posterior:
     raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
+  if cfg.train.eval_every:
+    try:
+      source.batch(0, cfg.data.batch_size, "validation")
+    except ValueError as e:
+      raise ConfigError(f"data.options: {e} (train.eval_every={cfg.train.eval_every} evaluates "
+                        f"on the validation split)") from None
+  try:  # shapes only: what the option types cannot say (e.g. mhc_lite's n! permutations)
+    tx, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    abstract_boxed(Transformer(cfg.model), jnp.zeros((1, cfg.data.seq_len), jnp.int32), tx)
+  except ValueError as e:
+    raise ConfigError(f"model.mixer_options: {e}") from None
   mesh = sh.make_mesh(cfg.mesh, cfg.data.batch_size, devices)
   return Setup(cfg, source, mesh)
 
@@ -80,232 +91,314 @@ def host_batch(source, cfg: Config, step: int, split: str = "train") -> dict:
   return b
 
 
-def _is_diag(cfg: Config, step: int) -> bool:
+def is_diag_step(cfg: Config, step: int) -> bool:
   d = cfg.train.diag_every
   return bool(d) and (step % d == 0 or step == cfg.train.steps - 1)
 
 
-def _due(every: int, step: int, last: int) -> bool:
+def is_due(every: int, step: int, last: int) -> bool:
   return bool(every) and ((step + 1) % every == 0 or step == last)
 
+
+def mean_over_batches(eval_fn, params, batch_fn, n: int):
+  """Mean of ``eval_fn(params, batch_fn(i))`` over validation batches ``i < n`` (on device)."""
+  acc = None
+  for i in range(n):
+    out = eval_fn(params, batch_fn(i))
+    acc = out if acc is None else jax.tree.map(jnp.add, acc, out)
+  return jax.tree.map(lambda a: a / n, acc)
+
+
+# ------------------------------------------------------------------------------------------
+# A single run as a program of one member.
+
+class SingleProgram:
+  """How a single run's state is made, stepped, evaluated (the engine's program interface:
+  ``n``, ``init``, ``abstract``, ``stack``, ``member``, ``step``, ``evaluate``, ``to_host``,
+  ``params``)."""
+
+  n = 1
+
+  def __init__(self, setup: Setup):
+    cfg, mesh = setup.cfg, setup.mesh
+    self.cfg, self.source, self.mesh = cfg, setup.source, mesh
+    self.model = Transformer(cfg.model)
+    self.tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    self.example = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
+    self.shard = state_shardings(self.model, self.example, self.tx, mesh)
+    self._step = jax.jit(make_train_step(self.model, self.tx, schedule, cfg), static_argnums=2,
+                         donate_argnums=0, out_shardings=(self.shard, sh.replicated(mesh)))
+    self._eval = jax.jit(make_eval_step(self.model, cfg), out_shardings=sh.replicated(mesh))
+
+  def init(self):
+    return create_state(self.model, self.example, self.tx, self.mesh, self.cfg.train.seed)[0]
+
+  def abstract(self):
+    return abstract_state(self.shard, self.model, self.example, self.tx)
+
+  def stack(self, members):
+    return members[0]
+
+  def member(self, state, i: int):
+    return state
+
+  def batch(self, step: int, split: str = "train"):
+    return sh.put_batch(host_batch(self.source, self.cfg, step, split), self.mesh)
+
+  def step(self, state, active, step: int, diag: bool):
+    return self._step(state, self.batch(step), diag)
+
+  def evaluate(self, state):
+    return mean_over_batches(self._eval, state.params,
+                             lambda i: self.batch(i, "validation"), self.cfg.data.eval_batches)
+
+  def to_host(self, tree) -> dict:
+    return {k: np.asarray(v)[None] for k, v in jax.device_get(tree).items()}
+
+  def trace(self) -> None:
+    """Trace the step (and the evaluation) on abstract values: shape errors without compiling."""
+    def shapes(b):
+      return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in b.items()}
+    state = self.abstract()
+    self._step.trace(state, shapes(host_batch(self.source, self.cfg, 0)),
+                     is_diag_step(self.cfg, 0))
+    if self.cfg.train.eval_every:
+      self._eval.trace(state.params, shapes(host_batch(self.source, self.cfg, 0, "validation")))
+
+  def params(self) -> dict:
+    return count_params(self.abstract().params)
+
+
+# ------------------------------------------------------------------------------------------
+# The engine.
 
 class _Progress:
   """tqdm on a terminal; plain periodic lines otherwise (logs, CI)."""
 
-  def __init__(self, total: int, start: int, enabled: bool):
-    self.enabled, self.total = enabled, total
-    self.tty = enabled and sys.stderr.isatty()
+  def __init__(self, total: int, start: int, enabled: bool, n: int):
+    self.enabled, self.total, self.n = enabled, total, n
+    self.tty = enabled and n == 1 and sys.stderr.isatty()
     self.bar = tqdm(total=total, initial=start, dynamic_ncols=True) if self.tty else None
     self.every = max(1, total // 10)
     self.t0 = time.perf_counter()
 
-  def update(self, step: int, rec: dict) -> None:
-    if not self.enabled:
+  def update(self, step: int, recs: list) -> None:
+    if not self.enabled or not recs:
       return
-    text = (f"loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.3g} "
-            f"tok/s {rec.get('tokens_per_s', float('nan')):.0f}")
+    if self.n == 1:
+      rec = recs[0]
+      text = (f"loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.3g} "
+              f"tok/s {rec.get('tokens_per_s', float('nan')):.0f}")
+    else:
+      text = f"population of {self.n}: loss " + " ".join(f"{r['loss']:.4g}" for r in recs)
     if self.bar is not None:
       self.bar.set_postfix_str(text, refresh=False)
       self.bar.update(1)
     elif (step + 1) % self.every == 0 or step + 1 == self.total:
-      done = step + 1
-      el = time.perf_counter() - self.t0
-      print(f"step {done}/{self.total} {text} elapsed {el:.0f}s", flush=True)
+      print(f"step {step + 1}/{self.total} {text} elapsed {time.perf_counter() - self.t0:.0f}s",
+            flush=True)
 
   def close(self):
     if self.bar is not None:
       self.bar.close()
 
 
-def _to_host(tree) -> dict:
-  out = {}
-  for k, v in jax.device_get(tree).items():
-    a = np.asarray(v)
-    out[k] = a.item() if a.ndim == 0 else a.tolist()
+def _item(a):
+  a = np.asarray(a)
+  return a.item() if a.ndim == 0 else a.tolist()
+
+
+def _finished(run_dirs) -> list | None:
+  """The summaries when every run is finished (done, halted or diverged, at its last
+  checkpoint): a resume then changes nothing. Else None."""
+  out = []
+  for d in run_dirs:
+    s = rundir.read_summary(d)
+    steps = rundir.checkpoint_steps(d)
+    if s.get("status") not in rundir.FINISHED or not steps or max(steps) != s.get("steps"):
+      return None
+    out.append(s)
   return out
 
 
-_RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints")
+def _results(summaries: list) -> list:
+  return [RunHalted(s["message"]) if s.get("status") == "halted" else s for s in summaries]
 
 
-def train(setup: Setup, run_dir: str | Path, resume: bool = False, progress: bool = True) -> dict:
-  """Train one run into ``run_dir``; returns the summary (also written to summary.json)."""
-  cfg, source, mesh = setup.cfg, setup.source, setup.mesh
-  run_dir = Path(run_dir)
-  main = jax.process_index() == 0
-  if main and not resume and any((run_dir / n).exists() for n in _RUN_FILES):
-    raise FileExistsError(f"{run_dir} already holds a run; resume=True continues it "
-                          f"(runs are never overwritten)")
-  t_start = time.perf_counter()
-  model = Transformer(cfg.model)
-  steps = cfg.train.steps
-  tx, schedule = make_optimizer(cfg.optim, steps)
-  example = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
-  state, shard = create_state(model, example, tx, mesh, cfg.train.seed)
-  if main:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # without `dist`: coordinator and process id are the launch's (MHC_* variables, flags),
-    # and a saved process id would make every process of a resumed run process 0
-    save_config(dataclasses.replace(cfg, dist=DistConfig()), run_dir / "config.yaml")
-  ckpt = Checkpoints(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
-  monitor = spikes.SpikeMonitor(window=cfg.train.spike_window, threshold=cfg.train.spike_threshold)
-  divergence = spikes.DivergenceRule()
-  start = 0
-  if resume and ckpt.latest() is not None:
-    state, host = ckpt.restore(abstract_state(shard, model, example, tx))
-    start = int(host["step"])
-    monitor.load_state_dict(host["monitor"])
-    divergence.load_state_dict(host["divergence"])
-  if main:  # every step exactly once: drop what a killed run logged past its checkpoint
-    for name in ("metrics.jsonl", "events.jsonl"):
-      if (run_dir / name).exists():
-        logs.truncate_after(run_dir / name, start - 1)
+def run_members(program, cfgs, run_dirs, *, resume: bool, progress: bool,
+                extra: list | None = None) -> list:
+  """Train ``program``'s members into ``run_dirs`` (one each; ``cfgs`` their configs).
 
-  step_fn = jax.jit(make_train_step(model, tx, schedule, cfg), static_argnums=2,
-                    donate_argnums=0, out_shardings=(shard, sh.replicated(mesh)))
-  eval_fn = jax.jit(make_eval_step(model, cfg), out_shardings=sh.replicated(mesh))
-  metrics_w = logs.JsonlWriter(run_dir / "metrics.jsonl") if main else None
-  events_w = logs.JsonlWriter(run_dir / "events.jsonl") if main else None
-  tb_w = TBWriter(run_dir / "tb") if main and cfg.train.tensorboard else None
-  tokens = cfg.data.batch_size * cfg.data.seq_len
-  bar = _Progress(steps, start, progress and main)
-  stop = {"sigterm": False}
-  preempted = _preemption_check()
-  old_handler = None
-  if preempted is None and threading_main():
-    old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
-
-  def host_state(step):
-    return {"step": step, "data_step": step, "monitor": monitor.state_dict(),
-            "divergence": divergence.state_dict()}
-
-  last = {"time": time.perf_counter(), "loss": float("nan"), "eval": {}}
-  status, message = "done", ""
-
-  def handle(step, metrics, evals):
-    """Fetch step ``step``'s metrics, log them, apply the spike/divergence/non-finite rules."""
-    rec = _to_host(metrics)
-    rec.update(_to_host(evals) if evals else {})
-    now = time.perf_counter()
-    dt, last["time"] = now - last["time"], now
-    rec["step_time_s"], rec["tokens_per_s"] = dt, tokens / dt if dt > 0 else float("nan")
-    finite = rec.pop("finite")
-    events, score = monitor.update(step, rec["loss"], rec["grad_norm"])
-    rec["spike_score"] = score
-    diverged = divergence.update(rec["loss"]) if finite else False
-    if not finite:
-      events.append({"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0})
-    if diverged and cfg.train.halt_on_divergence:
-      events.append({"step": step, "kind": "divergence", "value": rec["loss"],
-                     "threshold": float(divergence.threshold or float("nan"))})
+  Returns one entry per member: its summary dict, or the RunHalted it was halted with.
+  Raises Preempted on SIGTERM (every member checkpointed) and re-raises any other exception
+  (the members' summaries then say ``failed``). ``extra``: fields added to each summary.
+  """
+  n = program.n
+  main = dist.is_main()
+  run_dirs = [storage.path(d) for d in run_dirs]
+  with contextlib.ExitStack() as locks:
     if main:
-      if step % cfg.train.log_every == 0 or step == steps - 1 or "gain_fwd" in rec or evals:
-        metrics_w.write({"step": step, **rec})
-        if tb_w is not None:
-          tb_w.write({"step": step, **rec})
-      for e in events:
-        events_w.write(e)
-    last["loss"] = rec["loss"]
-    if evals:
-      last["eval"] = {k: v for k, v in rec.items() if k.startswith("eval/") and np.isscalar(v)}
-    bar.update(step, rec)
-    if not finite and cfg.train.nonfinite == "halt":
-      return (f"non-finite loss or gradient at step {step} (policy train.nonfinite=halt); "
-              f"the update was not applied")
-    if diverged and cfg.train.halt_on_divergence:
-      return f"loss diverged at step {step} ({divergence.reason}); train.halt_on_divergence=true"
-    return None
+      for d in run_dirs:
+        locks.enter_context(rundir.Lock(d))
+      if not resume:
+        for d in run_dirs:
+          if rundir.holds_run(d):
+            raise FileExistsError(f"{d} already holds a run; resume=True continues it "
+                                  f"(runs are never overwritten)")
+    if resume:
+      done = _finished(run_dirs)
+      if done is not None:
+        return _results(done)
+    return _run(program, cfgs, run_dirs, resume, progress and main, main,
+                extra or [None] * n)
+
+
+def _run(program, cfgs, run_dirs, resume, progress, main, extra) -> list:
+  cfg, n = cfgs[0], program.n
+  steps = cfg.train.steps
+  recorders = [Recorder(d, c, main=main, extra=e) for d, c, e in zip(run_dirs, cfgs, extra)]
+  ckpts = [Checkpoints(d / "checkpoints", keep=cfg.train.keep_ckpts) for d in run_dirs]
+  start = None
+  if resume:
+    common = set.intersection(*(rundir.checkpoint_steps(d) for d in run_dirs))
+    start = max(common) if common else None
+  for ck in ckpts:  # checkpoints past the start belong to an abandoned attempt
+    ck.prune_after(-1 if start is None else start)
+  if start is not None:
+    target = program.abstract()
+    members, hosts = [], []
+    for ck in ckpts:
+      s, host = ck.restore(target, step=start)
+      members.append(s)
+      hosts.append(host)
+    state = program.stack(members)
+    del members
+  else:
+    start, hosts = 0, [None] * n
+    state = program.init()
+  for r, h in zip(recorders, hosts):
+    r.begin(start, h)
+  dist.sync("run directories ready")
+
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  active = np.ones(n, bool)
+  halted = [""] * n
+  bar = _Progress(steps, start, progress, n)
+  stop = {"sigterm": False}
+  preemption = dist.preemption_check()   # multi-process: a SIGTERM step all processes agree on
+  old_handler = None
+  if preemption is None and dist.in_main_thread():
+    old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
+  last_time = [time.perf_counter()]
+
+  def handle(pending) -> bool:
+    """Record one dispatched step for the members it ran on; True when one halted."""
+    step, metrics, evals, was_active = pending
+    host = program.to_host(metrics)
+    if evals is not None:
+      host.update(program.to_host(evals))
+    now = time.perf_counter()
+    dt, last_time[0] = now - last_time[0], now
+    any_halt, recs = False, []
+    for i in np.flatnonzero(was_active):
+      rec = {k: _item(v[i]) for k, v in host.items()}
+      msg = recorders[i].record(step, rec, has_eval=evals is not None, dt=dt, tokens=tokens)
+      recs.append(rec)
+      if msg and active[i]:
+        active[i], halted[i], any_halt = False, msg, True
+    bar.update(step, recs)
+    return any_halt
+
+  def save_all(force: bool) -> None:
+    for r in recorders:   # the logs of the steps a checkpoint holds are stored before it
+      r.flush()
+    for i, ck in enumerate(ckpts):
+      member = program.member(state, i)
+      done = int(member.step)
+      if ck.latest() != done:
+        ck.save(done, member, recorders[i].host_state(done), force=force)
 
   pending = None
   step = start
-  sync = cfg.train.nonfinite == "halt"   # halt must stop before another update is applied
+  sync_each = cfg.train.nonfinite == "halt"   # halt must stop before another update is applied
+  preempted = failed = False
   try:
     for step in range(start, steps):
-      batch = sh.put_batch(host_batch(source, cfg, step), mesh)
-      state, metrics = step_fn(state, batch, _is_diag(cfg, step))
-      evals = None
-      if _due(cfg.train.eval_every, step, steps - 1):
-        evals = evaluate(eval_fn, state.params, source, cfg, mesh)
-      if pending is not None:
-        message = handle(*pending)
-      pending = (step, metrics, evals)
-      if sync or message:
-        message = message or handle(*pending)
-        pending = None
-      if message:
-        status = "halted"
+      if not active.any():
         break
-      if preempted is not None and preempted(step):
+      was_active = active.copy()
+      state, metrics = program.step(state, active, step, is_diag_step(cfg, step))
+      evals = program.evaluate(state) if is_due(cfg.train.eval_every, step, steps - 1) else None
+      prev, pending = pending, (step, metrics, evals, was_active)
+      if (prev is not None and handle(prev)) or sync_each:
+        # a member halted at the previous step has had this one applied: it is logged too
+        handle(pending)
+        pending = None
+      if preemption is not None and preemption(step):
         stop["sigterm"] = True
-      if _due(cfg.train.ckpt_every, step, -1) or stop["sigterm"]:
+      if is_due(cfg.train.ckpt_every, step, -1) or stop["sigterm"]:
         if pending is not None:
-          message = handle(*pending)
+          handle(pending)
           pending = None
-          if message:
-            status = "halted"
-            break
-        ckpt.save(step + 1, state, host_state(step + 1), force=stop["sigterm"])
+        save_all(force=stop["sigterm"])
         if stop["sigterm"]:
-          status, message = "preempted", f"SIGTERM at step {step}: checkpoint saved"
+          preempted = True
           break
     if pending is not None:
-      message = handle(*pending) or message
-      status = "halted" if message and status == "done" else status
-    if status != "preempted":
-      done = int(state.step)
-      if ckpt.latest() != done:
-        ckpt.save(done, state, host_state(done), force=True)
+      handle(pending)
+      pending = None
+    if not preempted:
+      save_all(force=True)
   except BaseException:
-    status = "failed"
+    failed = True
     raise
   finally:
-    ckpt.close()
+    for ck in ckpts:
+      ck.close()
     bar.close()
     if old_handler is not None:
       signal.signal(signal.SIGTERM, old_handler)
-    if main:
-      metrics_w.close()
-      events_w.close()
-      if tb_w is not None:
-        tb_w.close()
-      summary = {
-          "status": status, "message": message, "steps": int(state.step) if status != "failed"
-          else step, "final_loss": last["loss"], "wall_s": time.perf_counter() - t_start,
-          "params": count_params(state.params) if status != "failed" else None,
-          "nonfinite": int(state.nonfinite) if status != "failed" else None,
-          "spikes": monitor.total_spikes, **last["eval"],
-      }
-      (run_dir / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
-  if status == "halted":
-    raise RunHalted(message)
-  if status == "preempted":
-    raise Preempted(message)
-  return summary if main else {}
+    summaries = _finish(program, state, recorders, halted, preempted, failed, step)
+  if preempted:
+    who = "" if n == 1 else f" for all {n} members"
+    raise Preempted(f"SIGTERM at step {step}: checkpoint{'s' if n > 1 else ''} saved{who}")
+  return _results(summaries)
 
 
-def _preemption_check():
-  """Several processes must save a SIGTERM checkpoint at the same step, or the first one to
-  save waits in the save for the others while they wait in the next step for it. There, JAX's
-  preemption service (it catches SIGTERM on every process) picks a step all of them reach:
-  returns ``step -> bool``, to be called at every step. None in a single process (a plain
-  SIGTERM handler does) or when the service is off."""
-  if jax.process_count() == 1 or not jax.config.jax_enable_preemption_service:
-    return None
-  from jax.experimental import multihost_utils
-  return multihost_utils.reached_preemption_sync_point
+def _finish(program, state, recorders, halted, preempted, failed, step) -> list:
+  out = []
+  for i, r in enumerate(recorders):
+    info = None
+    if not failed:
+      try:
+        m = program.member(state, i)
+        info = (int(m.step), program.params(), int(m.nonfinite))
+      except Exception:  # noqa: BLE001 - the state may be gone with a failed step
+        info = None
+    if info is None:
+      status, info = "failed", (step, None, None)
+    elif halted[i]:
+      status = "halted"
+    elif preempted:
+      status = "preempted"
+    else:
+      status = "done"
+    msg = halted[i] or (f"SIGTERM at step {step}: checkpoint saved" if status == "preempted"
+                        else "")
+    out.append(r.finish(status, msg, *info))
+  return out
 
 
-def threading_main() -> bool:
-  import threading
-  return threading.current_thread() is threading.main_thread()
+def train(setup: Setup, run_dir, resume: bool = False, progress: bool = True) -> dict:
+  """Train one run into ``run_dir``; returns the summary (also written to summary.json).
 
+  Raises RunHalted when a policy stopped it, Preempted on SIGTERM; FileExistsError when
+  ``run_dir`` holds a run and ``resume`` is False (runs are never overwritten); RunLocked
+  when another trainer holds ``run_dir``.
+  """
+  (result,) = run_members(SingleProgram(setup), [setup.cfg], [run_dir], resume=resume,
+                          progress=progress)
+  if isinstance(result, RunHalted):
+    raise result
+  return result if dist.is_main() else {}
 
-def evaluate(eval_fn, params, source, cfg: Config, mesh) -> dict:
-  """Mean of the eval metrics over ``data.eval_batches`` validation batches (device arrays)."""
-  acc = None
-  n = cfg.data.eval_batches
-  for i in range(n):
-    b = sh.put_batch(host_batch(source, cfg, i, split="validation"), mesh)
-    out = eval_fn(params, b)
-    acc = out if acc is None else jax.tree.map(jnp.add, acc, out)
-  return jax.tree.map(lambda a: a / n, acc)

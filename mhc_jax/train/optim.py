@@ -76,8 +76,8 @@ def decay_mask(params) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: decays(_leaf_name(path)), params)
 
 
-def make_optimizer(optim: OptimConfig, total_steps: int, *, lr: Any = None,
-                   weight_decay: Any = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(optim: OptimConfig, total_steps: int, *,
+                   lr: Any = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """(transformation, schedule) for `optim`.
 
     chain(clip_by_global_norm(clip) [off when clip is 0/None],
@@ -88,10 +88,10 @@ def make_optimizer(optim: OptimConfig, total_steps: int, *, lr: Any = None,
       (built as scale_by_adam -> add_decayed_weights(wd/lr) -> scale_by_learning_rate(schedule):
        lr(t) * (adam + (wd/lr) p) is the line above.)
 
-    `lr` / `weight_decay` override the config values and may be traced arrays (populations).
+    `lr` overrides optim.lr and may be a traced array (a population of learning rates).
     """
     peak = optim.lr if lr is None else lr
-    wd = optim.weight_decay if weight_decay is None else weight_decay
+    wd = optim.weight_decay
     schedule = make_schedule(optim, total_steps, lr=peak)
     parts = []
     if optim.clip:

@@ -17,7 +17,6 @@ from mhc_jax.train.config import MeshConfig, validate_mesh
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
 RULES = (
-    ("batch", BATCH),
     ("embed", "fsdp"),
     ("streams_embed", "fsdp"),
     ("mlp", "tensor"),
@@ -37,7 +36,7 @@ def make_mesh(mesh_cfg: MeshConfig, batch_size: int | None = None, devices=None)
                        devices=devices)
 
 
-def _fit(spec: P, shape, mesh) -> P:
+def fit_spec(spec: P, shape, mesh) -> P:
   """Drop mesh axes from dimensions they do not divide (those dimensions are replicated)."""
   out = []
   for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
@@ -52,7 +51,7 @@ def shardings(abstract_tree, mesh) -> object:
   specs = nn.get_partition_spec(abstract_tree)
   mesh_specs = nn.logical_to_mesh(specs, RULES)
   return jax.tree.map(
-      lambda s, a: NamedSharding(mesh, _fit(s, a.shape, mesh)),
+      lambda s, a: NamedSharding(mesh, fit_spec(s, a.shape, mesh)),
       mesh_specs, nn.meta.unbox(abstract_tree),
       is_leaf=lambda x: isinstance(x, P))
 
@@ -73,7 +72,7 @@ def put_batch(batch: dict, mesh) -> dict:
   def put(x):
     x = np.asarray(x)
     if n_proc == 1:
-      return jax.device_put(x, NamedSharding(mesh, _fit(P(BATCH), x.shape, mesh)))
+      return jax.device_put(x, NamedSharding(mesh, fit_spec(P(BATCH), x.shape, mesh)))
     global_shape = (x.shape[0] * n_proc,) + x.shape[1:]
     return jax.make_array_from_process_local_data(sharding, x, global_shape)
 

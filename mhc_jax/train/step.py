@@ -68,7 +68,8 @@ def make_train_step(model, tx, schedule, cfg):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    lr = schedule(state.step)
+    # the lr of this update: optax's schedule counts the updates applied, not the steps taken
+    lr = schedule(state.step - state.nonfinite)
     new = State(step=state.step + 1, params=keep(params, state.params),
                 opt_state=keep(opt_state, state.opt_state),
                 nonfinite=state.nonfinite + (~finite).astype(jnp.int32))

@@ -1,0 +1,193 @@
+"""Run directories: naming, the never-overwrite and resume rules, locking, summaries.
+
+A run directory holds ``config.yaml``, ``metrics.jsonl``, ``events.jsonl``, ``checkpoints/``
+and ``summary.json`` (docs/interfaces.md), local or on an object store (``gs://...``).
+
+- :func:`default_run_dir`: ``runs/<name>/<time>-<config hash>``, never an existing directory.
+- :func:`check`: a new run needs a directory that does not exist or is empty; ``--resume``
+  needs a run directory (one with ``config.yaml``). Runs are never overwritten.
+- :class:`Lock`: one trainer per run directory. The lock is ``.lock`` in the directory, held
+  with ``flock`` on local filesystems (released by the kernel when its process dies, so a
+  killed trainer leaves no stale lock) and holding the holder's host, pid and start time,
+  which a second trainer's error names. On an object store (no flock) the file alone is the
+  lock; one whose process is gone from this host counts as stale.
+- :func:`checkpoint_steps`, :func:`read_summary`, :func:`write_summary` (atomic): what the
+  trainer, the sweep runner and ``mhc-jax eval`` read of a run.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+
+from mhc_jax import storage
+from mhc_jax.errors import RunLocked, UsageError
+
+RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints")
+LOCK_NAME = ".lock"
+FINISHED = ("done", "halted", "diverged")  # a resume of these changes nothing
+
+__all__ = ["RUN_FILES", "default_run_dir", "check", "holds_run", "checkpoint_steps",
+           "read_summary", "write_summary", "Lock"]
+
+
+def default_run_dir(cfg) -> storage.Path:
+  """``runs/<name>/<timestamp>-<config hash>``: never an existing directory."""
+  from mhc_jax.train.config import config_hash
+  stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  base = storage.path("runs") / cfg.name / f"{stamp}-{config_hash(cfg)}"
+  p, i = base, 1
+  while p.exists():
+    p, i = base.parent / f"{base.name}-{i}", i + 1
+  return p
+
+
+def holds_run(run_dir) -> bool:
+  """Whether ``run_dir`` holds (part of) a run."""
+  run_dir = storage.path(run_dir)
+  return any((run_dir / n).exists() for n in RUN_FILES)
+
+
+def check(run_dir, resume: bool, flag: str = "--out") -> None:
+  """UsageError unless ``run_dir`` can take a new run (``resume=False``) or be resumed."""
+  run_dir = storage.path(run_dir)
+  if run_dir.exists() and not run_dir.is_dir():
+    raise UsageError(f"{flag}: {run_dir} exists and is not a directory")
+  if resume:
+    if not (run_dir / "config.yaml").exists():
+      raise UsageError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
+  elif run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
+    raise UsageError(f"{flag}: {run_dir} already holds a run; pass --resume to continue it or "
+                     f"choose another directory (runs are never overwritten)")
+
+
+def checkpoint_steps(run_dir) -> set[int]:
+  """Steps of the finalised checkpoints on disk (orbax names step directories by the step)."""
+  d = storage.path(run_dir) / "checkpoints"
+  if not d.is_dir():
+    return set()
+  return {int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()}
+
+
+def read_summary(run_dir) -> dict:
+  """``summary.json`` as a dict ({} when missing or unreadable)."""
+  s = storage.read_json(storage.path(run_dir) / "summary.json", {})
+  return s if isinstance(s, dict) else {}
+
+
+def write_summary(run_dir, summary: dict) -> None:
+  storage.write_json_atomic(storage.path(run_dir) / "summary.json", summary)
+
+
+# ------------------------------------------------------------------------------------------
+# Locking.
+
+def _pid_alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # someone else's process
+    return True
+  return True
+
+
+def _describe(info: dict | None) -> str:
+  if not info:
+    return "another trainer"
+  since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.get("started", 0)))
+  return f"pid {info.get('pid')} on host {info.get('host')} (since {since})"
+
+
+class Lock:
+  """Exclusive use of a run directory by this process; ``RunLocked`` names the holder.
+
+  Re-entrant within a process: locking a directory this process already holds nests.
+  """
+
+  _held: dict[str, "Lock"] = {}
+
+  def __init__(self, run_dir):
+    self.run_dir = storage.path(run_dir)
+    self.file = self.run_dir / LOCK_NAME
+    self.key = os.path.abspath(os.fspath(run_dir)) if storage.is_local(run_dir) \
+        else os.fspath(run_dir)
+    self._fd = None
+    self._depth = 0
+
+  def acquire(self) -> "Lock":
+    held = Lock._held.get(self.key)
+    if held is not None:
+      held._depth += 1
+      return self
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    if storage.is_local(self.run_dir):
+      self._acquire_local(info)
+    else:
+      self._acquire_remote(info)
+    self._depth = 1
+    Lock._held[self.key] = self
+    return self
+
+  def _message(self, holder: dict | None) -> str:
+    return (f"--out: {self.run_dir} is in use by {_describe(holder)}; wait for it to finish or "
+            f"stop it (a killed trainer's lock is released with it)")
+
+  def _acquire_local(self, info: dict) -> None:
+    import fcntl
+    self.run_dir.mkdir(parents=True, exist_ok=True)
+    path = os.fspath(self.file)
+    while True:
+      fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:
+        raw = os.read(fd, 4096)
+        os.close(fd)
+        try:
+          holder = json.loads(raw)
+        except ValueError:
+          holder = None
+        raise RunLocked(self._message(holder)) from None
+      try:  # the holder may have removed the file between our open and our flock
+        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+      except FileNotFoundError:
+        same = False
+      if same:
+        break
+      os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(info).encode())
+    self._fd = fd
+
+  def _acquire_remote(self, info: dict) -> None:
+    holder = storage.read_json(self.file)
+    if holder is not None and not (holder.get("host") == info["host"]
+                                   and not _pid_alive(int(holder.get("pid", -1)))):
+      raise RunLocked(self._message(holder))
+    self.run_dir.mkdir(parents=True, exist_ok=True)
+    self.file.write_text(json.dumps(info))
+
+  def release(self) -> None:
+    held = Lock._held.get(self.key)
+    if held is None:
+      return
+    held._depth -= 1
+    if held._depth:
+      return
+    Lock._held.pop(self.key, None)
+    try:
+      held.file.unlink()
+    except FileNotFoundError:
+      pass
+    if held._fd is not None:
+      os.close(held._fd)  # closing releases the flock
+      held._fd = None
+
+  def __enter__(self) -> "Lock":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()

@@ -1,0 +1,105 @@
+"""Paths that may be local or on an object store, and atomic writes.
+
+Run and sweep directories go through etils ``epath`` (the path library orbax uses), so
+``gs://bucket/runs/x`` stays an object-store path instead of becoming a local ``gs:/bucket``
+folder. :func:`path` makes one; :func:`is_local` tells the two kinds apart.
+
+:func:`write_bytes_atomic` (and the text / JSON forms) never leaves half a file for a reader:
+locally it writes a temporary file in the same directory, fsyncs it and renames it over the
+target; on an object store one upload replaces the object whole, which is atomic already.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from etils import epath
+
+Path = epath.Path
+
+__all__ = ["Path", "path", "is_local", "json_default", "write_bytes_atomic", "write_text_atomic",
+           "write_json_atomic", "read_json"]
+
+
+def path(p: str | os.PathLike) -> epath.Path:
+  """An epath for ``p`` (local path or URL such as ``gs://bucket/dir``)."""
+  return p if isinstance(p, epath.Path) else epath.Path(p)
+
+
+def is_local(p: str | os.PathLike) -> bool:
+  return "://" not in os.fspath(p)
+
+
+def json_default(o: Any) -> Any:
+  """``json`` ``default`` hook: numpy / jax scalars and arrays -> plain Python (lists)."""
+  if isinstance(o, np.generic) or hasattr(o, "__array__"):
+    a = np.asarray(o)
+    if a.dtype.kind == "V":  # bfloat16 and other ml_dtypes floats
+      a = a.astype(np.float64)
+    if a.dtype.kind == "c":
+      raise TypeError(f"complex values are not JSON-serialisable: {o!r}")
+    return a.tolist()
+  if isinstance(o, Mapping):
+    return dict(o)
+  if isinstance(o, (set, frozenset)):
+    return sorted(o)
+  if isinstance(o, os.PathLike):
+    return os.fspath(o)
+  raise TypeError(f"Object of type {type(o).__name__} is not JSON serialisable")
+
+
+def _fsync_dir(d: str) -> None:
+  try:
+    fd = os.open(d, os.O_RDONLY)
+  except OSError:
+    return
+  try:
+    os.fsync(fd)
+  except OSError:  # not every platform can fsync a directory
+    pass
+  finally:
+    os.close(fd)
+
+
+def write_bytes_atomic(p: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
+  """Replace ``p`` with ``data`` so that readers see the old file or the new one, never half."""
+  if not is_local(p):
+    path(p).write_bytes(data)
+    return
+  target = os.fspath(p)
+  d = os.path.dirname(os.path.abspath(target))
+  fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=d)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.chmod(tmp, 0o644 if mode is None else mode)
+    os.replace(tmp, target)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  _fsync_dir(d)
+
+
+def write_text_atomic(p: str | os.PathLike, text: str) -> None:
+  write_bytes_atomic(p, text.encode("utf-8"))
+
+
+def write_json_atomic(p: str | os.PathLike, obj: Any) -> None:
+  """JSON (indented, numpy values as plain Python, non-finite floats as NaN/Infinity)."""
+  write_text_atomic(p, json.dumps(obj, indent=1, default=json_default, allow_nan=True) + "\n")
+
+
+def read_json(p: str | os.PathLike, default: Any = None) -> Any:
+  """The JSON in ``p``; ``default`` when it is missing or not (yet) valid JSON."""
+  p = path(p)
+  try:
+    return json.loads(p.read_text())
+  except (FileNotFoundError, NotADirectoryError, ValueError):
+    return default

@@ -1,0 +1,170 @@
+"""One run's host side: its logs, spike and divergence rules, and its summary.
+
+A :class:`Recorder` is what makes a run directory out of a stream of per-step metrics, the same
+for a single run and for every member of a population (``train.loop``): ``config.yaml``,
+``metrics.jsonl`` (one record per logged step), ``events.jsonl`` (``spike/loss``,
+``spike/grad``, ``nonfinite``, ``divergence`` with its ``reason``), optional TensorBoard files,
+and ``summary.json`` (written atomically). Its spike monitor, divergence rule and elapsed time
+go into every checkpoint (:meth:`host_state`), so a resumed run makes the same decisions as an
+uninterrupted one. Only process 0 writes files; the others keep the same state.
+
+Rules, per handled step:
+
+- a non-finite loss or gradient norm is one ``nonfinite`` event (not also a spike); the
+  divergence rule sees it as a bad step;
+- a finite loss or gradient norm above its rolling threshold is a ``spike/*`` event;
+- the first time the divergence rule fires, a ``divergence`` event with ``reason``
+  (``ratio``, ``above_init``, ``nonfinite``); the run then halts if ``train.halt_on_divergence``,
+  and otherwise ends with status ``diverged``;
+- ``train.nonfinite=halt`` halts at the first non-finite step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from mhc_jax import logs, rundir, spikes, storage
+
+__all__ = ["Recorder"]
+
+
+class Recorder:
+
+  def __init__(self, run_dir, cfg, *, main: bool, extra: dict | None = None):
+    self.dir = storage.path(run_dir)
+    self.cfg = cfg
+    self.main = main
+    self.extra = extra or {}
+    t = cfg.train
+    self.monitor = spikes.SpikeMonitor(window=t.spike_window, threshold=t.spike_threshold)
+    self.divergence = spikes.DivergenceRule()
+    self.diverged: dict | None = None    # {"step", "reason"} once the rule fired
+    self.halt_message = ""
+    self.last_loss = math.nan
+    self.last_eval: dict = {}
+    self.wall_before = 0.0
+    self.t0 = time.perf_counter()
+    self._writers: list = []
+    self.metrics = self.events = self.tb = None
+
+  # ---------------------------------------------------------------------------- start
+
+  def begin(self, start: int, host: dict | None) -> None:
+    """Continue from checkpoint ``start`` (``host``: its host state; None for a fresh run):
+    restore the rules, drop what a killed run logged past the checkpoint (so every step is
+    logged exactly once), open the logs."""
+    if host:
+      self.monitor.load_state_dict(host["monitor"])
+      self.divergence.load_state_dict(host["divergence"])
+      self.diverged = host.get("diverged")
+      self.wall_before = float(host.get("wall_s", 0.0))
+    if not self.main:
+      return
+    from mhc_jax.train.config import DistConfig, save_config
+    # without `dist`: coordinator and process id are the launch's (MHC_* variables, flags),
+    # and a saved process id would make every process of a resumed run process 0
+    save_config(dataclasses.replace(self.cfg, dist=DistConfig()), self.dir / "config.yaml")
+    for name in ("metrics.jsonl", "events.jsonl"):
+      logs.truncate_after(self.dir / name, start - 1)
+    path = self.dir / "metrics.jsonl"
+    for r in logs.read_jsonl(path) if path.exists() else ():   # a resume with nothing left to do
+      self._remember(r)
+    self.metrics = logs.JsonlWriter(self.dir / "metrics.jsonl")
+    self.events = logs.JsonlWriter(self.dir / "events.jsonl")
+    self._writers = [self.metrics, self.events]
+    if self.cfg.train.tensorboard:
+      from mhc_jax.tb import TBWriter
+      self.tb = TBWriter(self.dir / "tb")
+      self._writers.append(self.tb)
+
+  def host_state(self, step: int) -> dict:
+    """What a checkpoint at ``step`` keeps of this recorder (JSON)."""
+    return {"step": step, "monitor": self.monitor.state_dict(),
+            "divergence": self.divergence.state_dict(), "diverged": self.diverged,
+            "wall_s": self.wall_s()}
+
+  def wall_s(self) -> float:
+    return self.wall_before + time.perf_counter() - self.t0
+
+  # ---------------------------------------------------------------------------- steps
+
+  def _remember(self, rec: dict) -> None:
+    if "loss" in rec:
+      self.last_loss = rec["loss"]
+    ev = {k: v for k, v in rec.items() if k.startswith("eval/") and np.isscalar(v)}
+    if ev:
+      self.last_eval = ev
+
+  def record(self, step: int, rec: dict, *, has_eval: bool, dt: float, tokens: int) -> str | None:
+    """Log step ``step`` (``rec``: its metrics as plain Python values, ``finite`` included).
+    Returns the halt message when a policy stops the run at this step, else None."""
+    cfg = self.cfg.train
+    finite = bool(rec.pop("finite"))
+    rec["step_time_s"], rec["tokens_per_s"] = dt, tokens / dt if dt > 0 else math.nan
+    if finite:
+      events, score = self.monitor.update(step, rec["loss"], rec["grad_norm"])
+    else:
+      events, score = self.monitor.skip(step)
+      events.append({"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0})
+    rec["spike_score"] = score
+    fired = self.divergence.update(rec["loss"] if finite else math.nan)
+    if fired and self.diverged is None:
+      self.diverged = {"step": step, "reason": self.divergence.reason}
+      events.append({"step": step, "kind": "divergence", "value": rec["loss"],
+                     "threshold": float(self.divergence.threshold), "reason": self.divergence.reason})
+    halt = None
+    if not finite and cfg.nonfinite == "halt":
+      halt = (f"non-finite loss or gradient at step {step} (policy train.nonfinite=halt); "
+              f"the update was not applied")
+    elif fired and cfg.halt_on_divergence:
+      d = self.diverged
+      halt = (f"loss diverged at step {d['step']} ({d['reason']}); "
+              f"train.halt_on_divergence=true")
+    if self.main:
+      if (step % cfg.log_every == 0 or step == cfg.steps - 1 or "gain_fwd" in rec or has_eval
+          or not finite or halt):
+        self.metrics.write({"step": step, **rec})
+        if self.tb is not None:
+          self.tb.write({"step": step, **rec})
+      for e in events:
+        self.events.write(e)
+    self._remember(rec)
+    return halt
+
+  def flush(self) -> None:
+    """Store what was logged (before a checkpoint of the steps it covers is saved)."""
+    for w in (self.metrics, self.events):
+      if w is not None:
+        w.flush()
+
+  # ---------------------------------------------------------------------------- end
+
+  def close(self) -> None:
+    for w in self._writers:
+      w.close()
+    self._writers = []
+
+  def summary(self, status: str, message: str, steps: int | None, params: dict | None,
+              nonfinite: int | None) -> dict:
+    return {
+        "status": status, "message": message, "steps": steps, "final_loss": self.last_loss,
+        "wall_s": self.wall_s(), "params": params, "nonfinite": nonfinite,
+        "spikes": self.monitor.total_spikes, "divergence": self.diverged, **self.last_eval,
+        **self.extra,
+    }
+
+  def finish(self, status: str, message: str, steps: int | None, params: dict | None,
+             nonfinite: int | None) -> dict:
+    """Close the logs and write summary.json (process 0); returns the summary."""
+    if status == "done" and self.diverged is not None:
+      status = "diverged"
+      message = message or (f"the loss diverged at step {self.diverged['step']} "
+                            f"({self.diverged['reason']}); train.halt_on_divergence is off")
+    s = self.summary(status, message, steps, params, nonfinite)
+    self.close()
+    if self.main:
+      rundir.write_summary(self.dir, s)
+    return s
