@@ -1,6 +1,7 @@
 """Compile time of the train step against depth, scan vs Python loop (issue: flat under scan).
 
     .venv/bin/python benchmarks/compile_time.py [--depths 4 32] [--mixer mhc]
+    .venv/bin/python benchmarks/compile_time.py --mixer all --no-loop --repeats 1  # every mixer
 
 Lowers and compiles one value_and_grad step of the Transformer (width 64, 4 heads, seq 64,
 batch 8) at each depth; prints seconds per depth and the ratio deepest / shallowest. Each
@@ -39,21 +40,28 @@ def compile_seconds(cfg: ModelConfig, repeats: int) -> float:
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--depths", type=int, nargs="+", default=[4, 32])
-  ap.add_argument("--mixer", default="mhc")
+  ap.add_argument("--mixer", default="mhc", help="a registered mixer, or 'all'")
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--no-loop", action="store_true", help="skip the Python-loop comparison")
   args = ap.parse_args()
-  opts = {} if args.mixer == "residual" else {"n": 4}
-  print(f"jax {jax.__version__} on {jax.devices()[0].platform}; mixer {args.mixer}")
-  for scan in ([True] if args.no_loop else [True, False]):
-    secs = {}
-    for d in args.depths:
-      cfg = ModelConfig(vocab=256, depth=d, width=64, heads=4, mixer=args.mixer,
-                        mixer_options=opts, scan=scan)
-      secs[d] = compile_seconds(cfg, args.repeats)
-      print(f"  scan={scan!s:5} depth={d:3d}: compile {secs[d]:6.2f} s", flush=True)
-    lo, hi = min(args.depths), max(args.depths)
-    print(f"scan={scan}: compile ratio depth {hi} / depth {lo} = {secs[hi] / secs[lo]:.2f}")
+  from mhc_jax import mixers
+  names = mixers.names() if args.mixer == "all" else [args.mixer]
+  print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
+  ratios = {}
+  for name in names:
+    for scan in ([True] if args.no_loop else [True, False]):
+      secs = {}
+      for d in args.depths:
+        cfg = ModelConfig(vocab=256, depth=d, width=64, heads=4, mixer=name, scan=scan)
+        secs[d] = compile_seconds(cfg, args.repeats)
+        print(f"  {name:>14} scan={scan!s:5} depth={d:3d}: compile {secs[d]:6.2f} s", flush=True)
+      lo, hi = min(args.depths), max(args.depths)
+      ratios[(name, scan)] = secs[hi] / secs[lo]
+      print(f"{name} scan={scan}: compile ratio depth {hi} / depth {lo} = {ratios[(name, scan)]:.2f}",
+            flush=True)
+  if len(names) > 1:
+    worst = max((r, n) for (n, s), r in ratios.items() if s)
+    print(f"worst scanned ratio: {worst[1]} {worst[0]:.2f}")
 
 
 if __name__ == "__main__":

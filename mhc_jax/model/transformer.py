@@ -111,6 +111,7 @@ class Transformer(nn.Module):
     if cfg.scan:
       scanned = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
                         split_rngs={"params": True}, in_axes=0, length=L,
+                        unroll=min(getattr(cfg, "scan_unroll", 1), L),
                         metadata_params={nn.PARTITION_NAME: "layers"})
       state, (stats, logit_max) = scanned(cfg, name="blocks")(state, (idx, probes))
     else:

@@ -102,10 +102,10 @@ def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
   for k in ("out_logit_max", "logsumexp_mean", "logsumexp_max"):
     out[k] = aux[k]
   s = aux["stats"]
-  out["growth_exponent"] = dg.growth_exponent(s["rms_in"][0], s["rms_out"][-1], L2)
   # Both over the 2L mixer layers, in the direction the signal travels (docs/interfaces.md):
   # activations from the stream entering layer 0 to the one leaving layer 2L-1; gradients from
   # the collapse input (after layer 2L-1) back to the stream entering layer 0.
+  out["growth_exponent"] = dg.growth_exponent(s["rms_in"][0], s["rms_out"][-1], L2)
   out["growth_exponent_grad"] = dg.growth_exponent(grad_out, grad_rms[0], L2)
   blocks = grads["params"]["blocks"] if "blocks" in grads["params"] else None
   if blocks is not None:
