@@ -9,29 +9,44 @@ split, the same batches the trainer's in-loop eval starts with):
 - ``metrics``: ``eval_loss`` (the training loss, in nats, against ``data.target``),
   ``kl_bits`` (KL(posterior || model) in bits per supervised position, the primary metric),
   ``entropy_gap_bits``, ``accuracy``, ``ece``, ``posterior_entropy_bits``,
-  ``model_entropy_bits``, ``kl_bits_uniform`` (the KL of a uniform guess over the answer
-  symbols, the reference a model must beat), and curves ``by_evidence`` / ``by_position``
-  (``kl_bits``, ``entropy_gap_bits``, ``accuracy``, ``ece``, ``count``; NaN where a group has
-  no position). All from :func:`mhc_jax.posterior.fidelity_metrics` over all N batches at once.
-- ``probes`` (on the first ``min(N, 2)`` batches; :mod:`mhc_jax.probes`):
+  ``model_entropy_bits``, and curves ``by_evidence`` / ``by_position`` (``kl_bits``,
+  ``entropy_gap_bits``, ``accuracy``, ``ece``, ``count``; NaN where a group has no position), all
+  from :func:`mhc_jax.posterior.fidelity_metrics` over all N batches at once.
+  ``baselines``: for each exact reference guess of the task (``source.baselines``: bijection
+  ``uniform``; HMM ``uniform``, ``header_only``, ``header_blind``, ``last_obs``) its
+  ``kl_bits`` on the same positions and ``kl_bits_by_evidence``; ``kl_bits_uniform`` repeats
+  the uniform one. HMM filtering (``predict: state``) adds ``filtering``: the criterion
+  (KL <= header-only / 10), its ``threshold_bits``, whether it is ``reached``, the KL as a
+  fraction of the header-only baseline, and whether the model ``beats_last_obs`` (uses more than
+  the latest observation).
+- ``probes`` (on the first ``min(N, 2)`` batches; :mod:`mhc_jax.probes`); each says in
+  ``controls`` which confound it controls for (also listed once in ``probes.controls``):
 
-  - ``key_orthogonality``: attention keys grouped by hypothesis, per layer (all heads
-    concatenated, globally centred). Bijection: keys at value tokens, hypothesis = the key symbol
-    that value answers; also for the retrieval head alone (``retrieval_head``, with the mean
-    |cos| of as many random directions in its dimension for reference). HMM: keys at
-    observation tokens, grouped by the observed symbol (hidden states are relabelled in every
-    sequence, so they are no hypothesis shared across sequences).
+  - ``key_orthogonality``: attention keys **before RoPE** grouped by hypothesis, per layer (all
+    heads concatenated, globally centred), each layer with the mean |cos| of as many random
+    directions in its dimension (``random_mean_abs_cos_by_layer``) and the ratio
+    (``ratio_to_random_by_layer``; ~1 = no more orthogonal than chance). Bijection: keys at value
+    tokens, hypothesis = the key symbol that value answers; also for the retrieval head alone
+    (``retrieval_head``). HMM: keys at observation tokens, grouped by the observed symbol (hidden
+    states are relabelled in every sequence, so they are no hypothesis shared across sequences).
   - ``qk_alignment`` (bijection): for queries whose key was seen before, the position that holds
     the answer (the value token after the key's previous occurrence) is the target; the (layer,
-    head) with the most attention on targets is the retrieval head, and the cosine between its
-    query and the target's key is reported by evidence, with its slope, together with the
-    attention weight on the target by evidence. HMM: null (no single target position).
-  - ``pca_entropy``: PCA of the residual stream (streams summed) at supervised positions after
-    each block, against the posterior entropy in bits: explained variance, Pearson correlation
-    of PC1..PC3 with the entropy (sign arbitrary), per layer; the summary is the last block.
-  - ``drift`` (when the run has 2+ checkpoints): attention probabilities and value vectors of
-    every layer on the first validation batch at each checkpoint; relative drift between
-    consecutive checkpoints and whether attention settles first (see ``probes.drift``).
+    head) with the most attention on targets is the retrieval head. The cosine between its query
+    and the target's key, both **before RoPE**, by evidence; ``slope`` is its slope against
+    evidence **within groups of equal query-target distance** (``slope_unconditioned`` without
+    that, ``slope_old_definition`` after RoPE and unconditioned, for comparison), with the
+    attention weight on the target by evidence. HMM: skipped (no single target position).
+  - ``pca_entropy``: PCA of the residual stream (streams summed) after each block against the
+    posterior entropy in bits, **position partialled out** of both (demeaned within each
+    position), on bijection **new-key positions only** (at seen keys the entropy is 0: that
+    binary flag is most of the entropy variance); HMM: all supervised positions. Explained
+    variance, correlation of PC1..PC3 with the entropy (sign arbitrary), per layer; the summary
+    is the last block. ``abs_corr_pc1_entropy_old_definition``: the old figure (all supervised
+    positions, nothing partialled out), for comparison.
+  - ``drift`` (needs 5+ checkpoints, the first no later than half-way to the last): attention
+    probabilities and value vectors of every layer on the first validation batch at each
+    checkpoint; **norm-free** rates per 1000 steps (total variation of attention rows, angle of
+    value vectors) and whether attention settles first (see ``probes.drift``).
 
 Text tasks (text, tfds; no posterior): ``eval_loss`` (nats per byte) and ``bits_per_byte``.
 
@@ -175,23 +190,76 @@ def pad_vocab(dist: np.ndarray, vocab: int) -> np.ndarray:
   return dist if extra == 0 else np.pad(dist, [(0, 0)] * (dist.ndim - 1) + [(0, extra)])
 
 
-def fidelity(host_batches: list[dict], logits: list[np.ndarray]) -> dict:
-  """posterior.fidelity_metrics over all batches at once, plus the uniform-guess KL."""
+def kl_bits_dist(p: np.ndarray, q: np.ndarray) -> np.ndarray:
+  """KL(p || q) in bits per row of two distributions (float64; 0 log 0 = 0), [...]."""
+  p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+  on = p > 0
+  with np.errstate(divide="ignore"):
+    terms = np.where(on, p * (np.log2(np.where(on, p, 1.0)) - np.log2(np.where(on, q, 1.0))), 0.0)
+  return np.maximum(terms.sum(-1), 0.0)
+
+
+def _mean_by(values: np.ndarray, mask: np.ndarray, groups: np.ndarray, G: int) -> np.ndarray:
+  m = mask.reshape(-1) > 0
+  g, v = groups.reshape(-1)[m], values.reshape(-1)[m]
+  cnt = np.bincount(g, minlength=G).astype(np.float64)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(cnt > 0, np.bincount(g, weights=v, minlength=G) / cnt, np.nan)
+
+
+def baseline_kls(source, cat: dict, vocab: int, G: int) -> dict:
+  """KL(posterior || baseline) of each of the source's exact baselines (``source.baselines``),
+  mean over supervised positions and by evidence."""
+  base = source.baselines(cat["inputs"])
+  mask = cat["mask"]
+  n = max(float(mask.sum()), 1.0)
+  out = {}
+  for name, dist in base.items():
+    kl = kl_bits_dist(cat["posterior"], pad_vocab(dist, vocab)) * (mask > 0)
+    out[name] = {"kl_bits": float(kl.sum() / n),
+                 "kl_bits_by_evidence": _mean_by(kl, mask, cat["evidence"], G)}
+  return out
+
+
+FILTERING_FACTOR = 10  # filtering counts only at KL <= header-only baseline / 10
+
+
+def fidelity(host_batches: list[dict], logits: list[np.ndarray], source=None) -> dict:
+  """posterior.fidelity_metrics over all batches at once, plus the baselines' KL.
+
+  With ``source`` (a wind tunnel), every baseline of ``source.baselines`` is scored on the same
+  positions (``baselines``); HMM filtering adds the verdict ``filtering``. Without it only the
+  uniform guess over the answer symbols is (``kl_bits_uniform``, kept in both cases)."""
   import jax
 
   from mhc_jax import posterior as P
-  cat = {k: np.concatenate([b[k] for b in host_batches]) for k in ("posterior", "mask", "evidence")}
+  keys = ("posterior", "mask", "evidence") + (("inputs",) if source is not None else ())
+  cat = {k: np.concatenate([b[k] for b in host_batches]) for k in keys}
   lg = np.concatenate(logits)
   cat["posterior"] = pad_vocab(cat["posterior"], lg.shape[-1])
   G = int(cat["evidence"].max()) + 1
-  fm = jax.device_get(P.fidelity_metrics(cat, lg, num_groups=G))
-  # uniform guess over the answer symbols (every token the posterior ever gives mass to)
-  support = (cat["posterior"] * cat["mask"][..., None]).reshape(-1, lg.shape[-1]).max(0) > 0
-  uni = np.where(support, 0.0, -1e9).astype(np.float32)
-  kl_uni = float(P.kl_bits(cat["posterior"], np.broadcast_to(uni, lg.shape), cat["mask"]))
+  fm = jax.device_get(P.fidelity_metrics({k: cat[k] for k in ("posterior", "mask", "evidence")},
+                                         lg, num_groups=G))
   out = {k: float(fm[k]) for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece",
                                    "posterior_entropy_bits", "model_entropy_bits")}
-  out["kl_bits_uniform"] = kl_uni
+  if source is not None and hasattr(source, "baselines"):
+    out["baselines"] = baseline_kls(source, cat, lg.shape[-1], G)
+    out["kl_bits_uniform"] = out["baselines"]["uniform"]["kl_bits"]
+  else:  # uniform guess over the answer symbols (every token the posterior ever gives mass to)
+    support = (cat["posterior"] * cat["mask"][..., None]).reshape(-1, lg.shape[-1]).max(0) > 0
+    uni = np.where(support, 0.0, -1e9).astype(np.float32)
+    out["kl_bits_uniform"] = float(P.kl_bits(cat["posterior"], np.broadcast_to(uni, lg.shape),
+                                             cat["mask"]))
+  if getattr(source, "predict", None) == "state":
+    hdr = out["baselines"]["header_only"]["kl_bits"]
+    last = out["baselines"]["last_obs"]["kl_bits"]
+    out["filtering"] = {
+        "criterion": f"kl_bits <= header_only / {FILTERING_FACTOR}",
+        "threshold_bits": hdr / FILTERING_FACTOR,
+        "reached": bool(out["kl_bits"] <= hdr / FILTERING_FACTOR),
+        "kl_over_header_only": out["kl_bits"] / hdr if hdr > 0 else float("nan"),
+        "beats_last_obs": bool(out["kl_bits"] < last),
+    }
   for g in ("evidence", "position"):
     out[f"by_{g}"] = {k: np.asarray(fm[f"{k}_by_{g}"], np.float64)
                       for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece")}
@@ -206,13 +274,16 @@ def fidelity(host_batches: list[dict], logits: list[np.ndarray]) -> dict:
 def stacked_intermediates(inter: dict, depth: int) -> dict[str, np.ndarray]:
   """Model intermediates as numpy arrays with a leading layer axis, scanned or not.
 
-  Returns ``stream [L,B,T,n,C]``, ``q``/``k``/``value [L,B,T,H,D]``, ``attn [L,B,H,T,S]``.
+  Returns ``stream [L,B,T,n,C]``, ``q``/``k`` (after RoPE), ``q_pre``/``k_pre`` (before RoPE;
+  the same as ``q``/``k`` for a model that does not sow them) and ``value [L,B,T,H,D]``,
+  ``attn [L,B,H,T,S]``.
   """
   import jax
 
   def unpack(tree):
     a = tree["attn"]
     return {"stream": tree["stream"][0], "q": a["q"][0], "k": a["k"][0], "attn": a["attn"][0],
+            "q_pre": a.get("q_pre_rope", a["q"])[0], "k_pre": a.get("k_pre_rope", a["k"])[0],
             "value": a["value"]["__call__"][0]}
 
   inter = jax.device_get(inter)
@@ -244,15 +315,25 @@ def bijection_targets(inputs: np.ndarray, mask: np.ndarray, n_symbols: int) -> n
   return tgt
 
 
-def _finite(x) -> float | None:
-  x = float(x)
-  return x if math.isfinite(x) else None
+CONTROLS = {
+    "key_orthogonality": "keys read before RoPE (the rotation depends on position, not content); "
+                         "every layer's mean |cos| has a random-direction reference (as many "
+                         "random directions in the same dimension, centred alike) and the ratio",
+    "qk_alignment": "q and k read before RoPE; slope of cos against evidence taken within groups "
+                    "of equal query-target distance (evidence grows with distance)",
+    "pca_entropy": "bijection: only new-key positions (the 'key seen before' flag is most of the "
+                   "entropy variance); position partialled out of states and entropy (fixed "
+                   "effects) before PCA and correlation",
+    "drift": "needs 5+ checkpoints spread through training; norm-free measures (total "
+             "variation of attention rows, angle of value vectors) per 1000 steps",
+}
 
 
 def key_orthogonality_probe(k: np.ndarray, positions, hyp: np.ndarray, grouping: str,
                             head: tuple[int, int] | None = None) -> dict:
-  """Keys [L,B,T,H,D] at `positions` grouped by `hyp`: per layer with all heads concatenated,
-  the last layer as the summary, and (when given) the single (layer, head) `head`."""
+  """Keys [L,B,T,H,D] (before RoPE) at `positions` grouped by `hyp`: per layer with all heads
+  concatenated, each with its random-direction reference; the last layer as the summary, and
+  (when given) the single (layer, head) `head`."""
   from mhc_jax import probes
   L = k.shape[0]
   bi, ti = positions
@@ -263,27 +344,28 @@ def key_orthogonality_probe(k: np.ndarray, positions, hyp: np.ndarray, grouping:
   last = per_layer[-1]
   out = {
       "grouping": grouping,
+      "reads": "keys before RoPE",
+      "controls": CONTROLS["key_orthogonality"],
       "layer": L - 1,
       "hypotheses": int(len(last["hypotheses"])),
       "points": int(len(bi)),
       "mean_abs_cos": last["mean_abs_cos"],
       "max_abs_cos": last["max_abs_cos"],
       "within_cos": last["within_cos"],
+      "random_mean_abs_cos": last["random_mean_abs_cos"],
+      "ratio_to_random": last["ratio_to_random"],
       "mean_abs_cos_by_layer": [r["mean_abs_cos"] for r in per_layer],
+      "random_mean_abs_cos_by_layer": [r["random_mean_abs_cos"] for r in per_layer],
+      "ratio_to_random_by_layer": [r["ratio_to_random"] for r in per_layer],
       "within_cos_by_layer": [r["within_cos"] for r in per_layer],
   }
   if head is not None:
     l, h = head
     r = probes.key_orthogonality(k[l][bi, ti, h], hyp, center=True)
-    # reference: mean |cos| of as many random directions in the head's dimension
-    rng = np.random.default_rng(0)
-    rand = rng.standard_normal((len(r["hypotheses"]), k.shape[-1]))
-    rand /= np.linalg.norm(rand, axis=-1, keepdims=True)
-    rc = rand @ rand.T
-    off = ~np.eye(len(rc), dtype=bool)
     out["retrieval_head"] = {"layer": int(l), "head": int(h), "mean_abs_cos": r["mean_abs_cos"],
                              "max_abs_cos": r["max_abs_cos"], "within_cos": r["within_cos"],
-                             "random_mean_abs_cos": float(np.abs(rc[off]).mean())}
+                             "random_mean_abs_cos": r["random_mean_abs_cos"],
+                             "ratio_to_random": r["ratio_to_random"]}
   return out
 
 
@@ -298,67 +380,115 @@ def qk_alignment_probe(it: dict, tgt: np.ndarray, evidence: np.ndarray, G: int) 
   on_target = np.moveaxis(on_target, 0, -1)  # [L, H, N]
   mean_on = on_target.mean(-1)
   layer, head = np.unravel_index(int(np.argmax(mean_on)), mean_on.shape)
-  q = it["q"][layer][bi, ti, head]
-  k = it["k"][layer][bi, si, head]
   ev = evidence[bi, ti]
-  r = probes.qk_alignment_by_evidence(q, k, ev, num_groups=G)
+  dist = ti - si
+  r = probes.qk_alignment_by_evidence(it["q_pre"][layer][bi, ti, head],
+                                      it["k_pre"][layer][bi, si, head], ev, num_groups=G,
+                                      distance=dist)
+  old = probes.qk_alignment_by_evidence(it["q"][layer][bi, ti, head],
+                                        it["k"][layer][bi, si, head], ev, num_groups=G)
   a = on_target[layer, head]
   cnt = np.bincount(ev, minlength=G).astype(np.float64)
   with np.errstate(invalid="ignore", divide="ignore"):
     attn_by_ev = np.where(cnt > 0, np.bincount(ev, weights=a, minlength=G) / cnt, np.nan)
   return {
+      "reads": "q and k before RoPE",
+      "controls": CONTROLS["qk_alignment"],
       "layer": int(layer), "head": int(head), "points": int(len(bi)),
       "attn_on_target": float(a.mean()),
       "attn_on_target_by_layer_head": mean_on,
       "cos_mean": float(r["cos"].mean()),
       "alignment_by_evidence": r["alignment"],
+      "alignment_by_evidence_distance_adjusted": r["alignment_adjusted"],
       "attn_on_target_by_evidence": attn_by_ev,
       "count_by_evidence": r["count"],
       "slope": r["slope"],
+      "slope_unconditioned": r["slope_raw"],
+      "distance_groups": r["distance_groups"],
+      "slope_old_definition": old["slope_raw"],  # after RoPE, not conditioned on distance
   }
 
 
-def pca_probe(stream: np.ndarray, positions, entropy: np.ndarray, seed: int = 0) -> dict:
+def pca_probe(stream: np.ndarray, positions, entropy: np.ndarray, seed: int = 0,
+              old_positions=None) -> dict:
+  """PCA of the residual stream at `positions` after each block vs the entropy, position
+  partialled out; `old_positions` (all supervised positions) gives the old, unconditioned
+  figure for comparison."""
   from mhc_jax import probes
-  bi, ti = positions
-  n = len(bi)
-  if n > PCA_MAX_POINTS:
-    sel = np.sort(np.random.default_rng(seed).choice(n, PCA_MAX_POINTS, replace=False))
-    bi, ti = bi[sel], ti[sel]
+  rng = np.random.default_rng(seed)
+
+  def subsample(bi, ti):
+    if len(bi) > PCA_MAX_POINTS:
+      sel = np.sort(rng.choice(len(bi), PCA_MAX_POINTS, replace=False))
+      return bi[sel], ti[sel]
+    return bi, ti
+
+  bi, ti = subsample(*positions)
   h = entropy[bi, ti]
-  if np.std(h) == 0:
-    return {"skipped": "the posterior entropy is constant on the probe positions"}
+  if len(bi) < 3 or np.std(probes.partial_out(h, strata=ti)) < 1e-9:
+    return {"skipped": "the posterior entropy does not vary within a position on the probe "
+                       "positions"}
   per_layer = []
   for l in range(stream.shape[0]):
     X = stream[l][bi, ti].sum(axis=-2)  # streams summed: [N, C]
-    per_layer.append(probes.pca_vs_entropy(X, h, k=3))
+    per_layer.append(probes.pca_vs_entropy(X, h, k=3, strata=ti))
   last = per_layer[-1]
-  return {
+  out = {
+      "controls": CONTROLS["pca_entropy"],
       "layer": stream.shape[0] - 1,
       "points": int(len(bi)),
+      "entropy_std_within_position": last["entropy_std"],
       "explained_variance_ratio": last["explained_variance_ratio"],
       "corr_entropy": last["corr_entropy"],
       "corr_pc1_entropy": last["corr_pc1_entropy"],
       "abs_corr_pc1_entropy": last["abs_corr_pc1_entropy"],
       "abs_corr_pc1_entropy_by_layer": [r["abs_corr_pc1_entropy"] for r in per_layer],
+      "max_abs_corr_pc123_entropy_by_layer": [float(np.max(np.abs(r["corr_entropy"])))
+                                              for r in per_layer],
       "pc1_variance_by_layer": [float(r["explained_variance_ratio"][0]) for r in per_layer],
   }
+  if old_positions is not None:
+    ob, ot = subsample(*old_positions)
+    oh = entropy[ob, ot]
+    if np.std(oh) > 0:
+      old = probes.pca_vs_entropy(stream[-1][ob, ot].sum(axis=-2), oh, k=3)
+      out["abs_corr_pc1_entropy_old_definition"] = old["abs_corr_pc1_entropy"]
+  return out
 
 
 def drift_probe(series_attn: list[np.ndarray], series_value: list[np.ndarray], steps) -> dict:
   from mhc_jax import probes
-  r = probes.drift(np.stack(series_attn), np.stack(series_value))
+  r = probes.drift(np.stack(series_attn), np.stack(series_value), steps)
   by_layer = [probes.drift(np.stack([a[l] for a in series_attn]),
-                           np.stack([v[l] for v in series_value]))
+                           np.stack([v[l] for v in series_value]), steps)
               for l in range(series_attn[0].shape[0])]
   return {
+      "controls": CONTROLS["drift"],
       "steps": list(steps),
       "attn_drift": r["attn_drift"], "value_drift": r["value_drift"],
+      "units": "attention: mean total-variation distance per 1000 steps; values: mean angle "
+               "(radians) per 1000 steps",
       "attn_fall": r["attn_fall"], "value_fall": r["value_fall"],
       "attention_settles_first": r["attention_settles_first"],
       "attn_drift_by_layer": [d["attn_drift"] for d in by_layer],
       "value_drift_by_layer": [d["value_drift"] for d in by_layer],
+      "attention_settles_first_by_layer": [d["attention_settles_first"] for d in by_layer],
+      "attn_drift_relative_old_definition": r["attn_drift_relative"],
+      "value_drift_relative_old_definition": r["value_drift_relative"],
   }
+
+
+def drift_skip_reason(steps) -> str | None:
+  """Why the drift probe cannot run on these checkpoint steps (None: it can): it needs
+  MIN_DRIFT_CHECKPOINTS of them, the first no later than half-way to the last."""
+  from mhc_jax.probes import MIN_DRIFT_CHECKPOINTS
+  if len(steps) < MIN_DRIFT_CHECKPOINTS:
+    return (f"needs {MIN_DRIFT_CHECKPOINTS}+ checkpoints spread through training, the run kept "
+            f"{len(steps)} (set train.ckpt_every and train.keep_ckpts >= {MIN_DRIFT_CHECKPOINTS})")
+  if steps[0] > steps[-1] / 2:
+    return (f"the kept checkpoints {list(steps)} cover only the end of training; the first must "
+            f"be no later than half-way (raise train.ckpt_every)")
+  return None
 
 
 def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
@@ -370,25 +500,30 @@ def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
   entropy = np.asarray(entropy_bits_pointwise(hb["posterior"])) * mask
   sup = np.nonzero(mask > 0)
   G = int(evidence.max()) + 1
-  out: dict[str, Any] = {"batches": len(host_batches)}
+  out: dict[str, Any] = {"batches": len(host_batches), "controls": CONTROLS}
   if cfg.data.task == "bijection":
     V = source.n_symbols
     vpos = np.nonzero((inputs >= V) & (inputs < 2 * V))
     vpos = (vpos[0][vpos[1] > 0], vpos[1][vpos[1] > 0])
     hyp = inputs[vpos[0], vpos[1] - 1]
-    qk = qk_alignment_probe(it, bijection_targets(inputs, mask, V), evidence, G)
+    tgt = bijection_targets(inputs, mask, V)
+    qk = qk_alignment_probe(it, tgt, evidence, G)
     head = (qk["layer"], qk["head"]) if "layer" in qk else None
     out["key_orthogonality"] = key_orthogonality_probe(
-        it["k"], vpos, hyp, "key symbol answered by the value token", head)
+        it["k_pre"], vpos, hyp, "key symbol answered by the value token", head)
     out["qk_alignment"] = qk
+    new_keys = np.nonzero((mask > 0) & (tgt < 0))
+    out["pca_entropy"] = pca_probe(it["stream"], new_keys, entropy, old_positions=sup)
+    out["pca_entropy"]["positions"] = "new keys (not seen before in the sequence)"
   else:  # hmm
     K = source.n_symbols
     h = source.header_len
     opos = np.nonzero((inputs < K) & (np.arange(inputs.shape[1])[None, :] >= h))
     out["key_orthogonality"] = key_orthogonality_probe(
-        it["k"], opos, inputs[opos], "observed symbol")
+        it["k_pre"], opos, inputs[opos], "observed symbol")
     out["qk_alignment"] = {"skipped": "HMM filtering has no single target position to retrieve"}
-  out["pca_entropy"] = pca_probe(it["stream"], sup, entropy)
+    out["pca_entropy"] = pca_probe(it["stream"], sup, entropy, old_positions=sup)
+    out["pca_entropy"]["positions"] = "all supervised positions"
   return out
 
 
@@ -427,10 +562,11 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
       result["metrics"] = {"eval_loss": eval_loss, "bits_per_byte": eval_loss / math.log(2),
                            "positions": int(count)}
     else:
-      result["metrics"] = {"eval_loss": eval_loss, **fidelity(host_b, logits)}
+      result["metrics"] = {"eval_loss": eval_loss, **fidelity(host_b, logits, source)}
       np_ = min(batches, PROBE_BATCHES)
       probes_out = geometry(cfg, source, params, inter, host_b[:np_], dev_b[:np_])
-      if len(steps) >= 2:
+      why_not = drift_skip_reason(steps)
+      if why_not is None:
         attn_s, val_s = [], []
         for s in steps:
           p = params if s == steps[-1] else restore_params(ckpt, abstract, s, run)
@@ -439,7 +575,7 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
           val_s.append(it["value"])
         probes_out["drift"] = drift_probe(attn_s, val_s, steps)
       else:
-        probes_out["drift"] = {"skipped": f"needs 2+ checkpoints, the run has {len(steps)}"}
+        probes_out["drift"] = {"skipped": why_not, "controls": CONTROLS["drift"]}
       result["probes"] = probes_out
   finally:
     ckpt.close()
@@ -479,27 +615,40 @@ def summary_lines(r: dict) -> list[str]:
     lines.append(f"  eval loss {m['eval_loss']:.4f} nats/byte = {m['bits_per_byte']:.4f} "
                  "bits/byte")
     return lines
-  lines.append(f"  KL {m['kl_bits']:.4f} bits/position (uniform guess {m['kl_bits_uniform']:.3f})"
-               f"  entropy gap {m['entropy_gap_bits']:.4f}  accuracy {m['accuracy']:.3f}"
-               f"  ECE {m['ece']:.3f}  eval loss {m['eval_loss']:.4f}")
+  lines.append(f"  KL {m['kl_bits']:.4f} bits/position  entropy gap {m['entropy_gap_bits']:.4f}"
+               f"  accuracy {m['accuracy']:.3f}  ECE {m['ece']:.3f}  eval loss "
+               f"{m['eval_loss']:.4f}")
+  base = m.get("baselines") or {"uniform": {"kl_bits": m["kl_bits_uniform"]}}
+  lines.append("  baselines, KL bits/position: " + ", ".join(
+      f"{name.replace('_', '-')} {b['kl_bits']:.4f}" for name, b in base.items()))
+  f = m.get("filtering")
+  if f:
+    verdict = "reached" if f["reached"] else "NOT reached"
+    lines.append(f"  filtering (KL <= header-only/10 = {f['threshold_bits']:.4f}): {verdict}; "
+                 f"KL is {f['kl_over_header_only']:.3f} x header-only; "
+                 f"{'beats' if f['beats_last_obs'] else 'does NOT beat'} the last-observation "
+                 "guess")
   p = r.get("probes", {})
   bits = []
   ko = p.get("key_orthogonality", {})
   if "mean_abs_cos" in ko:
     rh = ko.get("retrieval_head")
-    bits.append(f"keys mean |cos| {ko['mean_abs_cos']:.3f}" + (
-        f" (retrieval head {rh['mean_abs_cos']:.3f}, random {rh['random_mean_abs_cos']:.3f})"
-        if rh else ""))
+    bits.append(f"keys (pre-RoPE) mean |cos| {ko['mean_abs_cos']:.3f} = "
+                f"{ko['ratio_to_random']:.2f} x random" + (
+                    f" (retrieval head {rh['mean_abs_cos']:.3f} = {rh['ratio_to_random']:.2f} x "
+                    "random)" if rh else ""))
   qk = p.get("qk_alignment", {})
   if "slope" in qk:
     bits.append(f"retrieval head L{qk['layer']}H{qk['head']} attn on target "
-                f"{qk['attn_on_target']:.2f}, q-k cos slope {qk['slope']:+.4f}/evidence")
+                f"{qk['attn_on_target']:.2f}, pre-RoPE q-k cos slope {qk['slope']:+.4f}/evidence "
+                "at fixed distance")
   pc = p.get("pca_entropy", {})
   if "corr_pc1_entropy" in pc:
-    bits.append(f"PC1 vs entropy r = {pc['corr_pc1_entropy']:+.3f}")
+    bits.append(f"PC1 vs entropy, position partialled out: r = {pc['corr_pc1_entropy']:+.3f}")
   dr = p.get("drift", {})
   if "attention_settles_first" in dr:
-    bits.append(f"attention settles first: {'yes' if dr['attention_settles_first'] else 'no'}")
+    bits.append(f"attention settles first: {'yes' if dr['attention_settles_first'] else 'no'} "
+                f"(fall {dr['attn_fall']:.2f} vs values {dr['value_fall']:.2f})")
   if bits:
     lines.append("  " + "; ".join(bits))
   return lines

@@ -25,7 +25,7 @@ def bijection_run(tmp_path_factory):
   old = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)  # as conftest's fast_compile
   try:
-    _train(run)
+    _train(run, ["train.steps=5", "train.ckpt_every=1", "train.keep_ckpts=5"])
   finally:
     jax.config.update("jax_disable_most_optimizations", old)
   return run
@@ -40,7 +40,7 @@ def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys, fast_co
   out = capsys.readouterr().out
   assert "KL" in out and "eval.json" in out
   r = json.loads((bijection_run / "eval.json").read_text())
-  assert r["step"] == 4 and r["checkpoint_steps"] == [2, 4] and r["batches"] == 2
+  assert r["step"] == 5 and r["checkpoint_steps"] == [1, 2, 3, 4, 5] and r["batches"] == 2
   m = r["metrics"]
   for k in ("eval_loss", "kl_bits", "entropy_gap_bits", "accuracy", "ece", "kl_bits_uniform"):
     assert _finite(m[k]), k
@@ -48,6 +48,9 @@ def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys, fast_co
   assert 0 <= m["accuracy"] <= 1 and 0 <= m["ece"] <= 1
   # an untrained model is near the uniform guess, far from the exact posterior
   assert m["kl_bits"] > 0.1
+  assert set(m["baselines"]) == {"uniform"} and "filtering" not in m
+  assert m["baselines"]["uniform"]["kl_bits"] == m["kl_bits_uniform"]
+  assert "baselines, KL bits/position: uniform" in out
   ev = m["by_evidence"]
   assert set(ev) == {"kl_bits", "entropy_gap_bits", "accuracy", "ece", "count"}
   assert len(ev["kl_bits"]) == len(ev["count"]) >= 2
@@ -59,18 +62,28 @@ def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys, fast_co
   assert len(m["by_position"]["kl_bits"]) == 24
 
   p = r["probes"]
+  assert set(p["controls"]) == {"key_orthogonality", "qk_alignment", "pca_entropy", "drift"}
   ko = p["key_orthogonality"]
-  assert 0 <= ko["mean_abs_cos"] <= 1 and ko["hypotheses"] >= 2
-  assert len(ko["mean_abs_cos_by_layer"]) == 2
+  assert 0 <= ko["mean_abs_cos"] <= 1 and ko["hypotheses"] >= 2 and ko["reads"] == "keys before RoPE"
+  assert "RoPE" in ko["controls"] and "random" in ko["controls"]
+  assert len(ko["mean_abs_cos_by_layer"]) == len(ko["random_mean_abs_cos_by_layer"]) == 2
+  assert all(0 < x < 1 for x in ko["random_mean_abs_cos_by_layer"])
+  assert ko["ratio_to_random_by_layer"][-1] == pytest.approx(
+      ko["mean_abs_cos_by_layer"][-1] / ko["random_mean_abs_cos_by_layer"][-1])
   qk = p["qk_alignment"]
-  assert 0 <= qk["attn_on_target"] <= 1 and _finite(qk["slope"])
+  assert 0 <= qk["attn_on_target"] <= 1 and qk["reads"] == "q and k before RoPE"
+  assert "distance" in qk["controls"]
+  assert _finite(qk["slope_unconditioned"]) and _finite(qk["slope_old_definition"])
   assert qk["layer"] in (0, 1) and qk["head"] in (0, 1)
   pc = p["pca_entropy"]
-  assert -1 <= pc["corr_pc1_entropy"] <= 1
+  assert "position partialled out" in pc["controls"] and pc["positions"].startswith("new keys")
+  assert -1 <= pc["corr_pc1_entropy"] <= 1 and pc["entropy_std_within_position"] > 0
+  assert 0 <= pc["abs_corr_pc1_entropy_old_definition"] <= 1
   assert all(0 <= v <= 1 for v in pc["explained_variance_ratio"])
   dr = p["drift"]
-  assert dr["steps"] == [2, 4] and isinstance(dr["attention_settles_first"], bool)
-  assert len(dr["attn_drift"]) == 1 and dr["attn_drift"][0] >= 0 and dr["value_drift"][0] > 0
+  assert dr["steps"] == [1, 2, 3, 4, 5] and isinstance(dr["attention_settles_first"], bool)
+  assert "norm-free" in dr["controls"]
+  assert len(dr["attn_drift"]) == 4 and min(dr["attn_drift"]) >= 0 and min(dr["value_drift"]) > 0
   assert not list(bijection_run.glob(".eval.json.tmp*"))
 
 
@@ -103,12 +116,25 @@ def test_eval_text_run_reports_bits_per_byte(tmp_path, capsys, fast_compile):
   assert "bits/byte" in capsys.readouterr().out
 
 
-def test_eval_model_vocab_larger_than_data_vocab(tmp_path, capsys, fast_compile):
-  """Issue 12, defect 3: model.vocab may exceed the data's vocabulary (the posterior is padded)."""
+def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys, fast_compile):
+  """HMM filtering: the baselines and the filtering verdict are printed and in eval.json; and
+  (issue 12, defect 3) model.vocab may exceed the data's vocabulary (the posterior is padded)."""
   run = tmp_path / "run"
-  _train(run, ["model.vocab=40", "train.steps=2", "train.ckpt_every=0", "model.depth=1"])
+  _train(run, ["data.task=hmm", "data.options={n_states: 2, n_symbols: 2, n_levels: 4, "
+               "stickiness: 0.5}", "model.vocab=40", "train.steps=2", "train.ckpt_every=0",
+               "model.depth=1"])
   assert cli.main(["eval", "--run", str(run), "--batches", "1"]) == 0, capsys.readouterr().err
-  m = json.loads((run / "eval.json").read_text())["metrics"]
+  out = capsys.readouterr().out
+  r = json.loads((run / "eval.json").read_text())
+  m = r["metrics"]
   assert _finite(m["kl_bits"]) and m["kl_bits"] > 0
-  # the uniform guess is over the 5 answer values, not over the padded vocabulary
-  assert m["kl_bits_uniform"] < math.log2(5) + 1e-6
+  b = m["baselines"]
+  assert set(b) == {"uniform", "header_only", "header_blind", "last_obs"}
+  assert b["header_blind"]["kl_bits"] == pytest.approx(b["uniform"]["kl_bits"])
+  assert 0 < b["last_obs"]["kl_bits"] < b["header_only"]["kl_bits"] <= b["uniform"]["kl_bits"] + 1e-9
+  assert m["kl_bits_uniform"] == b["uniform"]["kl_bits"] < 1.0  # over the 2 state labels
+  f = m["filtering"]
+  assert f["threshold_bits"] == pytest.approx(b["header_only"]["kl_bits"] / 10)
+  assert f["reached"] is False  # two steps of training do not filter
+  assert "header-only" in out and "last-obs" in out and "NOT reached" in out
+  assert r["probes"]["drift"]["skipped"].startswith("needs 5+ checkpoints")

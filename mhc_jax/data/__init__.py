@@ -5,14 +5,15 @@
 | name | class | options |
 | --- | --- | --- |
 | `bijection` | `BijectionTask` | `n_symbols`, `n_pairs`, `replacement` |
-| `hmm` | `HMMTask` | `n_states`, `n_symbols`, `length`, `alpha`, `n_levels` |
+| `hmm` | `HMMTask` | `n_states`, `n_symbols`, `length`, `alpha`, `n_levels`, `predict` (`state` = filtering, default; `observation`), `stickiness` |
 | `text` | `TextSource` | `path`, `pattern`, `val_fraction`, `max_bytes` |
 | `tfds` | `TFDSSource` (extra `tfds`) | `name`, `data_dir`, `split`, `val_split`, `feature`, `val_fraction`, `download` |
 
 Every source has `vocab_size`, `seq_len`, `has_posterior` and
 `batch(step, batch_size, split="train") -> dict` (a deterministic function of
 `(seed, split, step)`; splits `train` and `validation`). Batch keys are in docs/interfaces.md and
-the module docs of `windtunnel` and `text`.
+the module docs of `windtunnel` and `text`. Wind tunnels also have `baselines(inputs)`: exact
+reference guesses whose KL to the posterior `mhc-jax eval` prints beside the model's.
 """
 
 from __future__ import annotations
