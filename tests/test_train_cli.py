@@ -349,9 +349,15 @@ def test_halt_on_divergence_logs_every_update_it_applied(tmp_path, capsys, fast_
 # --------------------------------------------------------------------------- metric names
 
 def documented_metric_names() -> set[str]:
+  """The names in the section's "Every ... steps:" paragraphs (not in its explanations)."""
   text = (ROOT / "docs" / "interfaces.md").read_text()
   section = text.split("## Metric names in `metrics.jsonl`", 1)[1].split("\n## ", 1)[0]
-  names = set(re.findall(r"`([a-z_/]+)`", section))
+  lists, on = [], False
+  for line in section.splitlines():
+    on = line.startswith("Every") or (on and bool(line.strip()) and line[0] not in "#-")
+    if on:
+      lists.append(line)
+  names = set(re.findall(r"`([a-z_/]+)`", "\n".join(lists)))
   return names - {"diag_every", "eval_every"}
 
 
