@@ -128,6 +128,7 @@ def cmd_report(args) -> int:
   paths = rep.write_report(path, args.out)
   table = rep.summary_table(path)
   print(table.to_string(index=False))
+  print(rep.finding(table))
   print(f"report: {paths['index_html']}")
   return 0
 
