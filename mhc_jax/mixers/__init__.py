@@ -7,16 +7,27 @@ from __future__ import annotations
 import dataclasses
 
 from mhc_jax.mixers.base import STAT_KEYS, Collapse, Mixer
+from mhc_jax.mixers.deepnorm import DeepNorm, PostLN
 from mhc_jax.mixers.hc import HyperConnection
+from mhc_jax.mixers.laurel import Laurel
 from mhc_jax.mixers.mhc import ManifoldHyperConnection
 from mhc_jax.mixers.mhc_lite import MHCLite
+from mhc_jax.mixers.ortho import Ortho
+from mhc_jax.mixers.peri_ln import PeriLN
 from mhc_jax.mixers.residual import Residual
+from mhc_jax.mixers.value_residual import ValueResidual
 
 _REGISTRY: dict[str, type[Mixer]] = {
     "residual": Residual,
     "hc": HyperConnection,
     "mhc": ManifoldHyperConnection,
     "mhc_lite": MHCLite,
+    "value_residual": ValueResidual,
+    "laurel": Laurel,
+    "ortho": Ortho,
+    "deepnorm": DeepNorm,
+    "post_ln": PostLN,
+    "peri_ln": PeriLN,
 }
 # Options that only shape the model around the mixer (handled by the model, not the mixer).
 # ``collapse`` moved into the mixer (it owns its collapse); nothing is left here.

@@ -1,0 +1,100 @@
+"""LAuReL, the Learned Augmented Residual Layer (Menghani et al., arXiv:2411.07501).
+
+General form ``x' = α F(x) + g(x, ...)``, ``F`` the pre-norm sublayer. Variants (``variant``):
+
+- ``"rw"`` (LAuReL-RW, residual weights): ``x' = α F(x) + β x``, two learned scalars;
+- ``"lr"`` (LAuReL-LR, low rank): ``x' = F(x) + x + B A x`` (``W = I + BA`` of rank ``r``);
+- ``"rw_lr"`` (LAuReL-RW+LR, the paper's eq. 5, default): ``x' = α F(x) + β (x + B A x)``.
+  Default because it is the variant the paper trained in both of its LLMs (1B: r = 4;
+  4B: r = 64).
+
+The previous-activations variant (LAuReL-PA) is not implemented.
+
+Low rank (``rank`` r, default 4 as in the paper's 1B LLM): ``A`` down-projects ``C -> r`` and
+``B`` up-projects ``r -> C``. The paper's init for its LLMs: the ``C × r`` factor column-
+orthogonal, entry ``1/sqrt(rC)`` where ``i mod r == j`` and 0 elsewhere, the ``r × C`` factor
+zero (so ``BA = 0`` and LR starts as the plain residual). Stored as ``w_down [C, r]`` (zeros)
+and ``w_up [r, C]`` (the column-orthogonal factor, transposed) for row vectors:
+``x B A ↦ (x @ w_down) @ w_up``. They are matrices on the stream, so they are weight-decayed
+(``w_*``), which pulls ``W`` towards ``I``.
+
+Residual weights: the paper says ``α, β`` must not grow unbounded and that "a normalization
+function such as softmax or sigmoid helps", without saying which it used or how they start.
+``rw_norm`` makes that an option; the learned logits ``b_rw [2]`` are not weight-decayed:
+
+- ``"softmax"`` (default): ``(α, β) = softmax(b_rw)``, ``b_rw = 0`` at init so ``α = β = 1/2``
+  (a convex combination: the bound the paper asks for, and its first-named choice);
+- ``"sigmoid"``: ``α = σ(b_rw[0])``, ``β = σ(b_rw[1])``, also ``1/2`` each at init;
+- ``"none"``: ``(α, β) = b_rw`` unconstrained, ones at init (the plain residual at step 0).
+
+State: one stream ``[B, T, 1, C]``; ``branch_rms`` is the RMS of the raw sublayer output ``F``.
+"""
+from typing import Literal
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mhc_jax.mixers.base import Mixer, param
+from mhc_jax.mixers.peri_ln import single_stream, stream_stats
+
+
+def column_orthogonal(width: int, rank: int) -> np.ndarray:
+  """The paper's LLM init of the ``C × r`` factor: ``1/sqrt(rC)`` where ``i mod r == j``."""
+  i = np.arange(width)[:, None]
+  j = np.arange(rank)[None, :]
+  return np.where(i % rank == j, 1.0 / np.sqrt(rank * width), 0.0).astype(np.float32)
+
+
+class Laurel(Mixer):
+  n: int = 1
+  variant: Literal["rw", "lr", "rw_lr"] = "rw_lr"
+  rank: int = 4
+  rw_norm: Literal["softmax", "sigmoid", "none"] = "softmax"
+  multi_stream = False
+
+  def _has(self) -> tuple[bool, bool]:
+    if self.variant not in ("rw", "lr", "rw_lr"):
+      raise ValueError(f"laurel: variant must be 'rw', 'lr' or 'rw_lr', got {self.variant!r}")
+    return self.variant in ("rw", "rw_lr"), self.variant in ("lr", "rw_lr")
+
+  def layer_params(self, width: int) -> int:
+    rw, lr = self._has()
+    return (2 if rw else 0) + (2 * self.rank * width if lr else 0)
+
+  def weights(self, logits):
+    """``(α, β)`` from the learned logits ``b_rw``."""
+    if self.rw_norm == "softmax":
+      w = jax.nn.softmax(logits)
+    elif self.rw_norm == "sigmoid":
+      w = jax.nn.sigmoid(logits)
+    elif self.rw_norm == "none":
+      w = logits
+    else:
+      raise ValueError(f"laurel: rw_norm must be 'softmax', 'sigmoid' or 'none', "
+                       f"got {self.rw_norm!r}")
+    return w[0], w[1]
+
+  @nn.compact
+  def __call__(self, x_BTnC, sublayer, layer=0):
+    rw, lr = self._has()
+    x = single_stream("laurel", x_BTnC)
+    c = x.shape[-1]
+    f_BTC = sublayer(x)
+    f32, g = f_BTC.astype(jnp.float32), x.astype(jnp.float32)
+    if lr:
+      if not 1 <= self.rank <= c:
+        raise ValueError(f"laurel: rank must be in [1, width={c}], got {self.rank}")
+      w_down = param(self, "w_down", nn.initializers.zeros, (c, self.rank), ("embed", None))
+      w_up = param(self, "w_up", lambda k, s, d: jnp.asarray(column_orthogonal(c, self.rank).T, d),
+                   (self.rank, c), (None, "embed"))
+      g = g + (g @ w_down) @ w_up
+    if rw:
+      init = nn.initializers.ones if self.rw_norm == "none" else nn.initializers.zeros
+      alpha, beta = self.weights(param(self, "b_rw", init, (2,), (None,)))
+      out = alpha * f32 + beta * g
+    else:
+      out = f32 + g
+    out = out[..., None, :].astype(x_BTnC.dtype)
+    return out, stream_stats(x_BTnC, out, f_BTC)
