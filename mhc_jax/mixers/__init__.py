@@ -7,7 +7,9 @@ from __future__ import annotations
 import dataclasses
 
 from mhc_jax.mixers.base import STAT_KEYS, Collapse, Mixer
+from mhc_jax.mixers.attnres import AttnRes
 from mhc_jax.mixers.deepnorm import DeepNorm, PostLN
+from mhc_jax.mixers.denseformer import DenseFormer
 from mhc_jax.mixers.hc import HyperConnection
 from mhc_jax.mixers.laurel import Laurel
 from mhc_jax.mixers.mhc import ManifoldHyperConnection
@@ -28,6 +30,8 @@ _REGISTRY: dict[str, type[Mixer]] = {
     "deepnorm": DeepNorm,
     "post_ln": PostLN,
     "peri_ln": PeriLN,
+    "denseformer": DenseFormer,
+    "attnres": AttnRes,
 }
 # Options that only shape the model around the mixer (handled by the model, not the mixer).
 # ``collapse`` moved into the mixer (it owns its collapse); nothing is left here.
