@@ -10,9 +10,12 @@ from mhc_jax.mixers.base import STAT_KEYS, Collapse, Mixer
 from mhc_jax.mixers.attnres import AttnRes
 from mhc_jax.mixers.deepnorm import DeepNorm, PostLN
 from mhc_jax.mixers.denseformer import DenseFormer
+from mhc_jax.mixers.frac import FracConnection
 from mhc_jax.mixers.hc import HyperConnection
+from mhc_jax.mixers.kromhc import KromHC
 from mhc_jax.mixers.laurel import Laurel
 from mhc_jax.mixers.mhc import ManifoldHyperConnection
+from mhc_jax.mixers.mhc_identity import MHCIdentity
 from mhc_jax.mixers.mhc_lite import MHCLite
 from mhc_jax.mixers.ortho import Ortho
 from mhc_jax.mixers.peri_ln import PeriLN
@@ -24,6 +27,9 @@ _REGISTRY: dict[str, type[Mixer]] = {
     "hc": HyperConnection,
     "mhc": ManifoldHyperConnection,
     "mhc_lite": MHCLite,
+    "mhc_identity": MHCIdentity,
+    "kromhc": KromHC,
+    "frac": FracConnection,
     "value_residual": ValueResidual,
     "laurel": Laurel,
     "ortho": Ortho,

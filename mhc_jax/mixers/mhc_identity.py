@@ -1,0 +1,93 @@
+"""mHC with ``H_res = I``: n streams, learned read and write only (the "does mixing help" baseline).
+
+Layer: ``x' = x + H_postᵀ F(H_pre x)``, i.e. mHC (Xie et al., arXiv:2512.24880; see
+``mhc_jax/mixers/mhc.py``) with the stream mixing fixed to the identity. The read and write
+weights are mHC's, from the whole flattened state of a token ``v = RMSNorm(vec(x)) ∈ R^{nC}``:
+``H_pre = σ(α_pre (v φ_pre) + b_pre)``, ``H_post = 2σ(α_post (v φ_post) + b_post)`` with one
+fused projection ``φ [nC, 2n]`` (no ``H_res`` columns, no ``α_res``). Comparing it with ``mhc``,
+``mhc_lite`` and ``kromhc`` at equal ``n`` isolates what the stream mixing itself contributes;
+comparing it with ``residual`` isolates what n streams with learned read/write contribute.
+
+``H_res = I`` is doubly stochastic (trivially: ``doubly_stochastic = True``); the stats report
+``h_res = I`` (and ``h_res_tok = I`` per token) and ``sinkhorn_err = 0``.
+
+Options (defaults as in ``mhc``, so the two differ only in ``H_res``):
+
+- ``n`` (4): streams; ``dynamic`` (True): with ``False`` the ``v φ`` terms are dropped and
+  ``H_pre = σ(b_pre)``, ``H_post = 2σ(b_post)`` are static per layer;
+- ``alpha_init`` (0.01): initial ``α_pre``, ``α_post``;
+- ``phi_init`` (1.0): ``φ ~ N(0, phi_init² / nC)`` (fan-in normal, the symmetry breaking ``mhc``
+  uses: every stream gets its own read/write coefficients from the first step);
+- ``pre_init`` (``"auto"``): ``"uniform"`` ``b_pre = 0``; ``"onehot"`` HC's one-hot read
+  (``σ(b_pre) = 0.95`` on stream ``layer mod n``); ``"auto"`` is ``"uniform"`` when dynamic and
+  ``"onehot"`` when static, exactly as in ``mhc``.
+
+Symmetry (docs/mixers.md): ``expand`` copies the embedding into every stream, and with
+``H_res = I`` nothing but the per-stream write ``H_post`` can make the streams differ. Random
+``φ`` gives each stream its own ``H_post`` from step 0; static with the one-hot read, the
+streams are read differently downstream, so their ``b_post`` gradients differ and they separate
+under training (the contract kit checks both).
+"""
+
+import math
+from typing import Literal
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from mhc_jax.mixers.base import Mixer, make_stats, param, read, rms_norm
+from mhc_jax.mixers.mhc import onehot_logits
+
+
+class MHCIdentity(Mixer):
+  n: int = 4
+  dynamic: bool = True
+  alpha_init: float = 0.01
+  phi_init: float = 1.0
+  pre_init: Literal["auto", "uniform", "onehot"] = "auto"
+  doubly_stochastic = True  # H_res = I
+
+  def layer_params(self, width: int) -> int:
+    n = self.n
+    return 2 * n + ((n * width * 2 * n + 2) if self.dynamic else 0)
+
+  @nn.compact
+  def __call__(self, x_BTnC, sublayer, layer=0):
+    n, c = x_BTnC.shape[-2:]
+    if n != self.n:
+      raise ValueError(f"mhc_identity: configured for n={self.n} streams, got state with n={n}")
+    if self.pre_init not in ("auto", "uniform", "onehot"):
+      raise ValueError(
+        f"mhc_identity: pre_init must be 'auto', 'uniform' or 'onehot', got {self.pre_init!r}"
+      )
+    onehot = self.pre_init == "onehot" or (self.pre_init == "auto" and not self.dynamic)
+    pre_init = (
+      (lambda k, s, d: onehot_logits(layer, n).astype(d))
+      if onehot and n > 1
+      else nn.initializers.zeros
+    )
+    b_pre = param(self, "b_pre", pre_init, (n,), ("streams",))
+    b_post = param(self, "b_post", nn.initializers.zeros, (n,), ("streams",))
+    z_pre, z_post = b_pre, b_post
+    if self.dynamic:
+      v = rms_norm(x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,)))  # [B,T,nC]
+      phi = param(
+        self,
+        "phi",
+        nn.initializers.normal(self.phi_init / math.sqrt(n * c)),
+        (n * c, 2 * n),
+        ("streams_embed", None),
+      )
+      const = nn.initializers.constant(self.alpha_init)
+      a_pre = param(self, "alpha_pre", const, (), ())
+      a_post = param(self, "alpha_post", const, (), ())
+      proj = v @ phi  # [B,T,2n]
+      z_pre = a_pre * proj[..., :n] + b_pre
+      z_post = a_post * proj[..., n:] + b_post
+    h_pre = nn.sigmoid(z_pre)
+    h_post = 2.0 * nn.sigmoid(z_post)
+    f_BTC = sublayer(read(x_BTnC, h_pre))
+    out = (
+      x_BTnC.astype(jnp.float32) + h_post[..., :, None] * f_BTC.astype(jnp.float32)[..., None, :]
+    ).astype(x_BTnC.dtype)
+    return out, make_stats(x_BTnC, out, f_BTC, jnp.eye(n, dtype=jnp.float32), h_pre, h_post)
