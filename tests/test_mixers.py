@@ -50,10 +50,8 @@ def _separation_cases():
 
 
 @pytest.mark.parametrize("name,opts", _separation_cases())
-def test_streams_separate_under_training(name, opts, request):
+def test_streams_separate_under_training(name, opts, fast_compile):
   """The contract's stream-separation check, for every mixer and every h_res_init."""
-  if name != "mhc_lite":  # unoptimised XLA gives mhc_lite NaN gradients from step 2 (not seen
-    request.getfixturevalue("fast_compile")  # with the default optimisations)
   testing.check_stream_separation(name, **opts)
 
 

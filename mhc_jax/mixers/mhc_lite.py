@@ -7,6 +7,7 @@ identity permutation; ``"uniform"`` (b = 0) gives exactly ``J/n``. Everything el
 import itertools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,7 +39,8 @@ class MHCLite(ManifoldHyperConnection):
     raise ValueError(f"mhc_lite: h_res_init must be 'identity' or 'uniform', got {self.h_res_init!r}")
 
   def project_res(self, z_res):
-    a = jnp.exp(z_res - jnp.max(z_res, axis=-1, keepdims=True))
-    a = a / a.sum(axis=-1, keepdims=True)
+    # jax.nn.softmax, not exp(z - max(z)): the gradient of jnp.max divides by the count of
+    # entries equal to the max, which unoptimised XLA can recompute as 0 (NaN gradients).
+    a = jax.nn.softmax(z_res, axis=-1)
     h = jnp.einsum("...k,kij->...ij", a, jnp.asarray(permutation_matrices(self.n)))
     return h, jnp.zeros((), jnp.float32)
