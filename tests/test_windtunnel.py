@@ -210,8 +210,9 @@ def test_hmm_filtered_state_posterior_matches_state_path_enumeration(S, K, L, rh
 
 
 def test_hmm_stickiness_makes_transition_rows_sticky():
-    loose = HMMTask(seq_len=60, seed=0, n_states=3, n_symbols=3)
-    sticky = HMMTask(seq_len=60, seed=0, n_states=3, n_symbols=3, stickiness=0.7)
+    # the same shapes as the other tests in this module: the samplers compile once
+    loose = HMMTask(seq_len=48, seed=0, n_states=3, n_symbols=3)
+    sticky = HMMTask(seq_len=48, seed=0, n_states=3, n_symbols=3, stickiness=0.7)
     diag = {}
     for name, src in (("loose", loose), ("sticky", sticky)):
         b = jax.device_get(src.batch(0, 64))
@@ -222,8 +223,8 @@ def test_hmm_stickiness_makes_transition_rows_sticky():
 def test_hmm_true_states_are_drawn_from_the_filtered_posterior():
     """Calibration: state labels given probability p by p(s_t | o_1..t) are the true state with
     frequency p, so sampled targets (data.target=sample) train towards the posterior."""
-    src = HMMTask(seq_len=60, seed=5, n_states=3, n_symbols=3)
-    b = jax.device_get(src.batch(0, 128))
+    src = HMMTask(seq_len=48, seed=5, n_states=3, n_symbols=3)
+    b = jax.device_get(src.batch(0, 64))
     m = b["mask"] > 0
     p = b["posterior"][m][:, src.answer_slice]  # [N, S]
     y = np.eye(3)[b["targets"][m] - src.state_offset]
