@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev,notebooks,tfds,tb
+EXTRAS ?= dev,notebooks,tfds,tb,cluster
 
 .PHONY: setup test test-fast lint demo bench clean
 

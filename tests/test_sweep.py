@@ -141,7 +141,8 @@ def test_manifest_written_atomically_and_readable(tmp_path):
   assert todo == [r.name for r in sw.runs] and not notes
   (tmp_path / "s").mkdir()
   runner.write_manifest(tmp_path / "s", manifest)
-  assert [p.name for p in (tmp_path / "s").iterdir()] == ["manifest.json"]   # no temp left
+  # no temp left; the lock file stays (it is never replaced, so locks on it mean something)
+  assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["manifest.json", "manifest.lock"]
   m = json.loads((tmp_path / "s" / "manifest.json").read_text())
   assert m["runs"]["mixer=mhc,depth=2"] == {"status": "pending", "dir": "runs/mixer=mhc,depth=2",
                                             "overrides": {"model.mixer": "mhc", "model.depth": 2}}

@@ -11,6 +11,8 @@ A sweep file (``configs/sweeps/*.yaml``) has these keys::
       model.mixer: [hc, mhc]
       model.depth: [32, 64]
     population: [optim.lr]         # optional; axes trained together as one vmapped program
+    parallel: 4                    # optional; runs trained at once (mhc_jax.sweep.executor)
+    executor: {kind: slurm, ...}   # optional; process | submitit-local | slurm, + submitit params
     seeds: 3                       # optional; repeat every grid point over 3 seeds (see below)
 
 Runs are named from their axis values, ``mixer=hc,depth=32`` (the last part of each dotted
@@ -65,7 +67,8 @@ from mhc_jax.train.config import (
 __all__ = ["Run", "Sweep", "POPULATION_KEYS", "SWEEP_KEYS", "load_sweep", "expand", "run_names",
            "prepare_runs", "population_groups", "dry_run_table", "train_flops", "param_counts"]
 
-SWEEP_KEYS = ("name", "base", "set", "axes", "population", "seeds", "description")
+SWEEP_KEYS = ("name", "base", "set", "axes", "population", "seeds", "description", "parallel",
+              "executor")
 #: Axes that leave every shape alone, so runs differing only in them can share one program.
 POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -89,6 +92,7 @@ class Sweep:
   population: tuple          # population axes (subset of axes and of POPULATION_KEYS)
   base_config: dict          # base + set, validated, as a nested dict
   runs: list                 # [Run]
+  options: dict = dataclasses.field(default_factory=dict)  # parallel / executor (how to run)
 
   def run(self, name: str) -> Run:
     return next(r for r in self.runs if r.name == name)
@@ -221,7 +225,14 @@ def load_sweep(path: str | os.PathLike | None = None, cli_set: Any = (), *,
       raise ConfigError(f"population.{k}: not an axis of this sweep (axes: {', '.join(axes)})")
 
   runs = [Run(n, ov, _validate_run(base_cfg_dict, ov, n)) for n, ov in expand(axes)]
-  return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs)
+  options = {k: data[k] for k in ("parallel", "executor") if data.get(k) is not None}
+  if options:   # how to run, not what: checked here, applied by the runner (sweep.executor)
+    from mhc_jax.sweep import executor
+    if "parallel" in options:
+      options["parallel"] = executor.parse_parallel(options["parallel"], "parallel")
+    executor.executor_options(options.get("executor"), None)
+  return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs,
+               options)
 
 
 def _seed_values(value: Any, first: int) -> list:

@@ -1,25 +1,41 @@
-"""``mhc-jax sweep FILE [--out DIR] [--set K=V ...] [--dry-run]``: run a sweep, resumably.
+"""``mhc-jax sweep FILE [--out DIR] [--set K=V ...] [--dry-run] [--parallel K]
+[--executor process|submitit-local|slurm]``: run a sweep, resumably.
 
 The sweep directory (default ``sweeps_out/<name>``) holds::
 
     manifest.json   {"name", "sweep_file", "base", "set", "axes", "population",
-                     "base_config" (base + set, resolved), "updated",
+                     "base_config" (base + set, resolved), "seq", "updated",
                      "runs": {name: {"status": "pending" | "running" | "done" | "failed",
                                      "overrides": {axis key: value}, "dir": "runs/<name>",
-                                     "error" (failed runs), "wall_s", "final_loss" (finished)}}}
+                                     "error" (failed runs), "wall_s", "final_loss" (finished),
+                                     "owner", "heartbeat" (while running), "attempts",
+                                     "claimed_at", "resumed_from", "host", "taken_over"}}}
+    manifest.lock   the lock every change to manifest.json is made under
     runs/<name>/    a normal run directory (train.loop.train or a population member)
+    workers/        parallel sweeps: each worker's spec and log (<token>.json, <token>.log)
+    submitit/       submitit executors: the jobs' pickles and logs
     report/         the report (mhc_jax.sweep.report.write_report): index.html, summary.md ...
 
-``manifest.json`` is rewritten atomically (temp file + os.replace) after every status change,
-by process 0 only. Every run's config is validated, and the manifest checked against the
-sweep file, before anything is written (ConfigError: exit 2).
+Every change to ``manifest.json`` -- the plan, a claim, a heartbeat, a status, a result --
+is one locked, atomic, owner-checked transaction (:mod:`mhc_jax.sweep.manifest`), so several
+workers, sweep commands or hosts sharing the directory cannot corrupt it or train a run
+twice. Every run's config is validated, and the manifest checked against the sweep file,
+before anything is written (ConfigError: exit 2).
 
 Re-running a sweep continues it: ``done`` and ``failed`` runs are kept as they are; any other
-run is trained, resuming from its newest checkpoint when its directory has one (the logs past
-the checkpoint are dropped first, so every step is logged once) and restarting from scratch
-when it has none. A failed run (an exception, or halted by policy: non-finite values,
-divergence) records its error and the sweep goes on; to retry it, delete its run directory.
-A finished sweep prints that all runs are done, writes nothing, and exits 0.
+run is trained -- unless a live worker holds it (then the command waits for it; a worker that
+died, or went silent past the lease, loses its runs to the next claimant) -- resuming from its
+newest checkpoint when its directory has one (the logs past the checkpoint are dropped first,
+so every step is logged once) and restarting from scratch when it has none. A failed run (an
+exception, a crashed worker, or halted by policy: non-finite values, divergence) records its
+error and the sweep goes on; to retry it, delete its run directory. A finished sweep prints
+that all runs are done, writes nothing, and exits 0.
+
+Without ``--parallel``/``--executor`` the runs train here, one after another (over all devices;
+several processes with jax.distributed train each run together). With them, each run (or
+population) trains in its own worker process on its own slice of the devices, or as its own
+cluster job: :mod:`mhc_jax.sweep.executor`. ``parallel:`` and ``executor:`` in the sweep file
+do the same; the flags win.
 
 A changed sweep file: a sweep directory belongs to one base config (base file + ``set`` +
 ``--set``) and one set of axis keys. Changing the base config or the axis keys is an error
@@ -30,21 +46,20 @@ With ``population`` in the sweep file, runs that differ only in the population a
 one vmapped program (mhc_jax.sweep.population); a group of one trains as a normal run.
 
 Exit codes: 0 every run done; 1 some run failed (the report is still written); 2 bad input;
-143 SIGTERM (checkpoints saved; re-run to continue).
+143 SIGTERM or Ctrl-C (checkpoints saved; re-run to continue).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import shutil
 import sys
 import time
-import traceback
 from pathlib import Path
 
 from mhc_jax import logs
 from mhc_jax.sweep import grid
+from mhc_jax.sweep.manifest import Manifest, ManifestError, Worker, claim_state, lease_seconds
 from mhc_jax.train.config import ConfigError
 
 __all__ = ["main", "run_sweep", "plan", "read_manifest", "write_manifest", "prepare_run_dir",
@@ -61,33 +76,52 @@ def _is_main() -> bool:
 
 
 # ------------------------------------------------------------------------------------------
-# The manifest.
+# The manifest (every change goes through mhc_jax.sweep.manifest: locked, atomic, owner-checked).
 
 def read_manifest(out_dir: str | os.PathLike) -> dict | None:
-  path = Path(out_dir) / "manifest.json"
-  if not path.exists():
-    return None
   try:
-    m = json.loads(path.read_text())
-  except ValueError as e:
-    raise ConfigError(f"--out: {path} is not valid JSON ({e})") from None
-  if not isinstance(m, dict) or not isinstance(m.get("runs"), dict):
-    raise ConfigError(f"--out: {path} is not a sweep manifest (no 'runs' mapping)")
-  return m
+    return Manifest(out_dir).read()
+  except ManifestError as e:
+    raise ConfigError(f"--out: {e}") from None
 
 
 def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> None:
-  """Atomically replace ``out_dir/manifest.json`` (process 0 only)."""
+  """Replace ``out_dir/manifest.json`` with `manifest` under the manifest lock (process 0
+  only). The runner itself merges (:func:`merge_plan`) instead of replacing."""
   if not _is_main():
     return
-  out_dir = Path(out_dir)
-  manifest["updated"] = datetime.datetime.now().isoformat(timespec="seconds")
-  tmp = out_dir / f".manifest.json.tmp{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(json.dumps(manifest, indent=1, default=str))
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, out_dir / "manifest.json")
+
+  def fn(m):
+    seq = m.get("seq")
+    m.clear()
+    m.update(manifest)
+    if seq is not None:
+      m["seq"] = seq
+
+  Manifest(out_dir).transact(fn)
+
+
+def merge_plan(out_dir: str | os.PathLike, planned: dict) -> None:
+  """Put a plan (:func:`plan`) into the manifest without undoing what other workers wrote
+  since it was read: new runs are added, the sweep's fields updated, a failed run whose
+  directory was deleted is made pending again; every other run's entry is kept as it is."""
+  if not _is_main():
+    return
+
+  def fn(m):
+    for k, v in planned.items():
+      if k != "runs":
+        m[k] = v
+    runs = m.setdefault("runs", {})
+    for name, info in planned["runs"].items():
+      cur = runs.get(name)
+      if cur is None:
+        runs[name] = dict(info)
+      elif cur.get("status") == "failed" and info.get("status") == "pending":
+        cur["status"] = "pending"
+        cur.pop("error", None)
+
+  Manifest(out_dir).transact(fn)
 
 
 def _same(a, b) -> bool:
@@ -189,11 +223,41 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-def run_sweep(sweep: grid.Sweep, setups: dict, out_dir: str | os.PathLike, *,
-              progress: bool = True) -> int:
-  """Train every unfinished run of `sweep` into `out_dir`, then write the report."""
-  from mhc_jax.sweep import population
-  from mhc_jax.train.loop import Preempted, RunHalted, train
+def _broadcast(values: list[int]) -> list[int]:
+  """Process 0's `values` on every process (multi-process sweeps decide on process 0)."""
+  import jax
+  if jax.process_count() == 1:
+    return values
+  import numpy as np
+  from jax.experimental import multihost_utils
+  return [int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int64))]
+
+
+def _next_unit(m: dict | None, me: Worker, units: list[list[str]]) -> tuple[int, int]:
+  """(index, action) of the next unit: action 0 drop it (all finished), 1 train it; (-1, 2)
+  when every remaining unit is held by another worker."""
+  runs = (m or {}).get("runs", {})
+  now = time.time()
+  for i, unit in enumerate(units):
+    states = [claim_state(runs.get(n, {}), me, now) for n in unit]
+    if all(s == "finished" for s in states):
+      return i, 0
+    if any(s == "held" for s in states):
+      continue
+    return i, 1
+  return -1, 2
+
+
+def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike, *,
+              progress: bool = True, parallel: int | None = None, executor: str | None = None,
+              executor_params: dict | None = None) -> int:
+  """Train every unfinished run of `sweep` into `out_dir`, then write the report.
+
+  With `parallel` or `executor`, runs train in worker processes (mhc_jax.sweep.executor) and
+  `setups` is not needed; otherwise they train here, one unit after another.
+  """
+  from mhc_jax.sweep.progress import SweepProgress
+  from mhc_jax.sweep.worker import train_claimed
 
   out_dir = Path(out_dir)
   manifest, todo, notes = plan(sweep, out_dir)
@@ -214,84 +278,61 @@ def run_sweep(sweep: grid.Sweep, setups: dict, out_dir: str | os.PathLike, *,
     return EXIT_FAILED if counts["failed"] else 0
   if _is_main():
     out_dir.mkdir(parents=True, exist_ok=True)
-  write_manifest(out_dir, manifest)
+  merge_plan(out_dir, manifest)
+  parallel_mode = parallel is not None or executor not in (None, "process")
+  how = ""
+  if parallel_mode:
+    how = (f" with {executor or 'process'} workers, "
+           + (f"up to {parallel} at once" if parallel else "all submitted at once"))
   _say(f"sweep {sweep.name}: {n_total} runs ({counts['done']} done, {counts['failed']} failed, "
-       f"{len(todo)} to run) in {out_dir}")
-
-  def record(name, status, t0, summary=None, error=None, wall=None):
-    info = runs[name]
-    info["status"] = status
-    info["wall_s"] = round(time.perf_counter() - t0 if wall is None else wall, 2)
-    info.pop("error", None)
-    if error:
-      info["error"] = error
-    if summary and "final_loss" in summary:
-      info["final_loss"] = summary["final_loss"]
-    write_manifest(out_dir, manifest)
-    loss = summary.get("final_loss") if summary else None
-    tail = f" (final loss {loss:.4f})" if isinstance(loss, float) else ""
-    tail += f": {error}" if error else ""
-    _say(f"[{order[name]}/{len(todo)}] {name}: {status} in {info['wall_s']:.1f}s{tail}")
-
-  order = {name: i + 1 for i, name in enumerate(todo)}
-  for group in grid.population_groups(sweep, todo):
-    # Done-but-unrecorded runs (killed between finishing and the manifest write).
-    live = []
-    for r in group:
-      rdir = out_dir / runs[r.name]["dir"]
-      how = prepare_run_dir(rdir, setups[r.name].cfg)
-      if how == "done":
-        summary = json.loads((rdir / "summary.json").read_text())
-        record(r.name, "done", 0.0, summary, wall=float(summary.get("wall_s") or 0.0))
-      else:
-        live.append((r, rdir, how))
-    if not live:
-      continue
-    _sync("sweep-dirs")
-    t0 = time.perf_counter()
-    for r, _, how in live:
-      runs[r.name]["status"] = "running"
-      step = max(population._ckpt_steps(out_dir / runs[r.name]["dir"]), default=0)
-      what = f"resuming from step {step}" if how == "resume" else "starting"
-      _say(f"[{order[r.name]}/{len(todo)}] {r.name}: {what}"
-           + (f" (population of {len(live)})" if len(live) > 1 else ""))
-    write_manifest(out_dir, manifest)
-    try:
-      if len(live) == 1:
-        r, rdir, how = live[0]
-        try:
-          results = [train(setups[r.name], rdir, resume=how == "resume", progress=progress)]
-        except RunHalted as e:
-          results = [e]
-      else:
-        results = population.train_population([setups[r.name] for r, _, _ in live],
-                                              [d for _, d, _ in live], resume=True,
-                                              progress=progress)
-    except Preempted as e:
-      for r, _, _ in live:
-        runs[r.name].update(status="pending", error=f"preempted: {e}")
-      write_manifest(out_dir, manifest)
-      _say(f"sweep {sweep.name}: {e}; re-run the same command to continue")
+       f"{len(todo)} to run) in {out_dir}{how}")
+  if parallel_mode:
+    from mhc_jax.sweep import executor as ex
+    rc = ex.run_parallel(sweep, out_dir, todo, parallel, executor or "process",
+                         executor_params or {}, progress=progress)
+    if rc == EXIT_PREEMPTED:
+      _say(f"sweep {sweep.name}: stopped; re-run the same command to continue")
       return EXIT_PREEMPTED
-    except Exception as e:  # noqa: BLE001 - a failed run must not stop the sweep
-      if _is_main():
-        traceback.print_exc()
-      for r, _, _ in live:
-        record(r.name, "failed", t0, error=f"{type(e).__name__}: {e}")
+    return _finish(out_dir)
+
+  mfst = Manifest(out_dir)
+  me = Worker.current()
+  order = {name: i + 1 for i, name in enumerate(todo)}
+  bar = SweepProgress(sweep.name, out_dir, {r.name: r.cfg.train.steps for r in sweep.runs}, 1,
+                      enabled=progress and _is_main(), tty=False)
+  units = [[r.name for r in g] for g in grid.population_groups(sweep, todo)]
+  waiting = False
+
+  def say(name, msg):
+    _say(f"[{order[name]}/{len(todo)}] {name}: {msg}")
+
+  while units:
+    i, action = _broadcast(list(_next_unit(mfst.read() if _is_main() else None, me, units)))
+    if action == 2:
+      if not waiting:
+        held = [n for u in units for n in u]
+        _say(f"sweep {sweep.name}: waiting for {len(held)} run(s) that other workers hold: "
+             f"{', '.join(held)}")
+        waiting = True
+      time.sleep(min(5.0, lease_seconds() / 6))
       continue
-    for (r, _, _), res in zip(live, results):
-      if isinstance(res, RunHalted):
-        record(r.name, "failed", t0, error=f"halted: {res}")
-      else:
-        record(r.name, "done", t0, res)
+    waiting = False
+    unit = units.pop(i)
+    if action == 0:
+      continue
+    claimed = mfst.claim(unit, me)[0] if _is_main() else []
+    mask = _broadcast([int(n in claimed) for n in unit])
+    claimed = [n for n, c in zip(unit, mask) if c]
+    if not claimed:   # taken by another worker between the look and the claim
+      units.insert(i, unit)
+      continue
+    out = train_claimed(mfst, me, out_dir, claimed, setups, progress=progress, say=say)
+    if out["preempted"]:
+      _say(f"sweep {sweep.name}: {out.get('message')}; re-run the same command to continue")
+      return EXIT_PREEMPTED
+    if _is_main():
+      bar.update(mfst.read(), force=True)
   return _finish(out_dir)
-
-
-def _sync(name: str) -> None:
-  import jax
-  if jax.process_count() > 1:
-    from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices(name)
 
 
 def _print_table(out_dir: Path) -> None:
@@ -307,13 +348,18 @@ def _finish(out_dir: Path) -> int:
   if not _is_main():
     return 0
   from mhc_jax.sweep import report
-  paths = report.write_report(out_dir)
+  with Manifest(out_dir).report_lock():   # other sweep commands on this directory may finish now
+    paths = report.write_report(out_dir)
   _print_table(out_dir)
   print(f"report: {paths['index_html']}", flush=True)
   m = read_manifest(out_dir) or {"runs": {}}
   failed = [n for n, i in m["runs"].items() if i.get("status") == "failed"]
   if failed:
     print(f"{len(failed)} run(s) failed: {', '.join(failed)} (errors in manifest.json)")
+  open_runs = [n for n, i in m["runs"].items() if i.get("status") not in ("done", "failed")]
+  if open_runs:
+    print(f"{len(open_runs)} run(s) not finished: {', '.join(open_runs)} (other workers hold "
+          f"them or gave them back; run the same command again to finish them)")
   return EXIT_FAILED if failed else 0
 
 
@@ -336,8 +382,37 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir: Path) -> None:
 
 
 def main(args) -> int:
-  """``mhc-jax sweep`` (args: sweep_file, out, set, dry_run, quiet, dist flags)."""
+  """``mhc-jax sweep`` (args: sweep_file, out, set, dry_run, quiet, parallel, executor, dist
+  flags)."""
+  from mhc_jax.sweep import executor as ex
+  raw_parallel = getattr(args, "parallel", None)
+  parallel = ex.parse_parallel(raw_parallel) if raw_parallel is not None else None
   sweep = grid.load_sweep(args.sweep_file, getattr(args, "set", None) or [])
+  if parallel is None:
+    parallel = sweep.options.get("parallel")
+  kind, params = ex.executor_options(sweep.options.get("executor"),
+                                     getattr(args, "executor", None))
+  parallel_mode = parallel is not None or kind != "process"
+  out_dir = Path(args.out) if args.out else Path("sweeps_out") / sweep.name
+  if out_dir.exists() and not out_dir.is_dir():
+    raise ConfigError(f"--out: {out_dir} is not a directory")
+  if parallel_mode and not args.dry_run:
+    flags = [f for f in ("coordinator", "num_processes", "process_id")
+             if getattr(args, f, None) is not None]
+    if flags:
+      raise ConfigError(f"--{flags[0].replace('_', '-')}: a parallel sweep trains each run in "
+                        f"its own single-process worker; multi-process flags are for a "
+                        f"sequential sweep (leave out --parallel / --executor)")
+    if kind == "slurm" and shutil.which("sbatch") is None:
+      raise ConfigError("--executor slurm: sbatch not found; run the sweep on a SLURM login node")
+    if kind == "slurm":
+      n_devices = int(params.get("gpus_per_node") or params.get("slurm_gpus_per_node") or 1)
+    else:
+      n_devices = ex.make_slots(parallel or 1)[0].n_devices
+    ex.check_runs(sweep, n_devices)   # the parent touches no device: workers get them
+    return run_sweep(sweep, None, out_dir, progress=not getattr(args, "quiet", False),
+                     parallel=parallel or (None if kind == "slurm" else 1),
+                     executor=kind, executor_params=params)
   if not args.dry_run:
     import dataclasses
 
@@ -347,9 +422,6 @@ def main(args) -> int:
       sweep.runs = [dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, dist=cfg.dist))
                     for r in sweep.runs]
   setups = grid.prepare_runs(sweep)
-  out_dir = Path(args.out) if args.out else Path("sweeps_out") / sweep.name
-  if out_dir.exists() and not out_dir.is_dir():
-    raise ConfigError(f"--out: {out_dir} is not a directory")
   if args.dry_run:
     print_dry_run(sweep, setups, out_dir)
     return 0
