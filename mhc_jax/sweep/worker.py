@@ -36,12 +36,23 @@ __all__ = ["train_claimed", "run_unit", "main", "pin_cpus", "EXIT_NOT_CLAIMED"]
 # Placement (before jax is imported).
 
 def pin_cpus(cpus: list[int] | None) -> None:
-  """Restrict this process (and the threads XLA will start) to `cpus`."""
-  if cpus and hasattr(os, "sched_setaffinity"):
+  """Restrict every thread of this process to `cpus` -- after XLA's CPU client exists, so its
+  intra-op thread pool keeps the size it has in a sequential sweep (the pool's size decides
+  how multi-threaded ops split their work, and so their rounding); threads started later
+  inherit the mask."""
+  if not cpus or not hasattr(os, "sched_setaffinity"):
+    return
+  import jax
+  jax.devices()   # the backend and its thread pools, sized to all the cores
+  try:
+    tids = [int(t) for t in os.listdir("/proc/self/task")]
+  except OSError:
+    tids = [0]
+  for tid in tids:
     try:
-      os.sched_setaffinity(0, set(cpus))
+      os.sched_setaffinity(tid, set(cpus))
     except OSError as e:
-      print(f"warning: could not pin to cpus {cpus}: {e}", flush=True)
+      print(f"warning: could not pin thread {tid} to cpus {cpus}: {e}", flush=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -195,7 +206,6 @@ def _sync(name: str) -> None:
 def run_unit(sweep_dir: str | os.PathLike, spec: dict) -> int:
   """Claim and train one unit in this process (see the module docstring); the exit code."""
   sweep_dir = Path(sweep_dir)
-  pin_cpus(spec.get("cpus"))
   for k, v in (spec.get("env") or {}).items():
     os.environ[k] = str(v)
   manifest = Manifest(sweep_dir)
@@ -207,6 +217,7 @@ def run_unit(sweep_dir: str | os.PathLike, spec: dict) -> int:
   if not claimed:
     return EXIT_NOT_CLAIMED
   print(f"worker {me.describe()} token {me.token}: claimed {', '.join(claimed)}", flush=True)
+  pin_cpus(spec.get("cpus"))
   try:
     from mhc_jax.train.config import from_dict
     from mhc_jax.train.loop import prepare
