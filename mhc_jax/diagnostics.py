@@ -2,7 +2,7 @@
 
 Everything here is jit-safe (no host syncs, no Python branching on values) and is
 computed in float32 whatever the input dtype. The function names are the metric
-names in the logs (see docs/interfaces.md and DESIGN.md "Diagnostics").
+names in the logs (see docs/interfaces.md, "Metric names" and "What the gain metrics mean").
 
 Conventions
 -----------
