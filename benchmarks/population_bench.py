@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import numpy as np
+
+from timing import median_time
 
 from mhc_jax.sweep import population
 from mhc_jax.train import sharding as sh
@@ -25,21 +26,6 @@ from mhc_jax.train.loop import host_batch, prepare
 from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import create_state
 from mhc_jax.train.step import make_train_step
-
-
-def _time(fn, steps: int, warmup: int) -> tuple[float, float]:
-  """(first call incl. compile [s], median of the timed calls [s])."""
-  t = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - t
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(steps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return first, statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -78,7 +64,7 @@ def main(argv=None) -> None:
     state["s"], m = prog.step(state["s"], lr_arr, active, batch, False)
     return m["loss"]
 
-  pop_first, pop_med = _time(pop_step, args.steps, args.warmup)
+  pop_first, pop_med = median_time(pop_step, args.steps, args.warmup)
 
   # P separate runs: each its own compiled step with its lr a constant (as train() builds it)
   seq_first, seq_med = [], []
@@ -94,7 +80,7 @@ def main(argv=None) -> None:
       holder["s"], m = fn(holder["s"], batch, False)
       return m["loss"]
 
-    f, m = _time(one_step, args.steps, args.warmup)
+    f, m = median_time(one_step, args.steps, args.warmup)
     seq_first.append(f)
     seq_med.append(m)
 

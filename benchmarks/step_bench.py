@@ -25,14 +25,14 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from timing import median_time
 
 from mhc_jax.model import Transformer
 from mhc_jax.train.config import load_config
@@ -41,21 +41,6 @@ from mhc_jax.train.state import State
 from mhc_jax.train.step import make_train_step
 
 VARIANTS = ("scan", "loop", "diag", "bf16")
-
-
-def median_time(fn, steps: int, warmup: int) -> tuple[float, float]:
-  """(first call incl. compile [s], median of the timed calls [s])."""
-  t = time.perf_counter()
-  jax.block_until_ready(fn())
-  first = time.perf_counter() - t
-  for _ in range(warmup):
-    jax.block_until_ready(fn())
-  times = []
-  for _ in range(steps):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    times.append(time.perf_counter() - t)
-  return first, statistics.median(times)
 
 
 def matmul_rate(m: int = 2048, k: int = 1024, n: int = 4096, steps: int = 10) -> float:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
 import sys
@@ -37,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax import evaluate, posterior
+from mhc_jax import evaluate
 from mhc_jax.baselines import WindowMLP, match_width, param_count, window_mlp_param_count
 from mhc_jax.train import config as C
 from mhc_jax.train.loop import host_batch, prepare, train
@@ -191,7 +190,7 @@ def main(argv=None) -> int:
     print(f"filtering (Transformer KL <= header-only / 10 = {f['threshold_bits']:.4f}): "
           f"{'reached' if f['reached'] else 'NOT reached'} (KL = {f['kl_over_header_only']:.3f} x "
           f"header-only; {'beats' if f['beats_last_obs'] else 'does not beat'} last-obs)")
-  print(f"KL by evidence (Transformer): "
+  print("KL by evidence (Transformer): "
         + " ".join(f"{x:.3f}" for x in np.asarray(tm["by_evidence"]["kl_bits"])[:21]))
   out.mkdir(parents=True, exist_ok=True)
   evaluate.write_json_atomic(out / "windtunnel_kl.json", result)

@@ -178,8 +178,8 @@ def test_original_mixers_unchanged_by_the_contract_move():
     cfg = ModelConfig(vocab=11, depth=2, width=16, heads=2, mixer=mixer, mixer_options=opts)
     m = Transformer(cfg)
     params = nn.meta.unbox(m.init(jax.random.PRNGKey(0), tokens))
-    logits, aux = m.apply(params, tokens)
-    g = jax.grad(lambda p: jnp.mean(m.apply(p, tokens)[0] ** 2))(params)
+    logits, aux = jax.jit(m.apply)(params, tokens)
+    g = jax.jit(jax.grad(lambda p: jnp.mean(m.apply(p, tokens)[0] ** 2)))(params)
     got = {"logits": logits, "h_res": aux["stats"]["h_res"], "rms_out": aux["stats"]["rms_out"],
            "grad_embedding": g["params"]["embedding"]}
     for k, v in got.items():

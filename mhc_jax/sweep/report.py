@@ -1048,20 +1048,12 @@ def write_report(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None
                        "their group means are NaN.")
 
     # ----------------------------------------------------------- tables
-    csv_path = out / "summary.csv"
-    table.to_csv(csv_path, index=False, na_rep="NaN")
-    paths["summary_csv"] = str(csv_path)
-    if len(lr_tab):
-        lr_csv = out / "lr_sensitivity.csv"
-        lr_tab.to_csv(lr_csv, index=False, na_rep="NaN")
-        paths["lr_sensitivity_csv"] = str(lr_csv)
-    groups_csv = out / "groups.csv"
-    groups.to_csv(groups_csv, index=False, na_rep="NaN")
-    paths["groups_csv"] = str(groups_csv)
-    if len(paired):
-        paired_csv = out / "paired.csv"
-        paired.to_csv(paired_csv, index=False, na_rep="NaN")
-        paths["paired_csv"] = str(paired_csv)
+    for name, frame, always in (("summary", table, True), ("lr_sensitivity", lr_tab, False),
+                                ("groups", groups, True), ("paired", paired, False)):
+        if always or len(frame):
+            csv_path = out / f"{name}.csv"
+            frame.to_csv(csv_path, index=False, na_rep="NaN")
+            paths[f"{name}_csv"] = str(csv_path)
     n_seeds_max = int(groups["n_seeds"].max()) if len(groups) else 0
     group_text = (f"Runs that differ only in the seed, grouped ({len(groups)} groups, up to {n_seeds_max} seeds "
                   f"each). Cells are mean [95% CI] over the group's seeds: {stats.METHOD}. The t interval is used "
