@@ -301,6 +301,8 @@ def test_tiny_sweep_completes(tiny_sweep):
   text = tiny_sweep["second"]["out"]
   assert f"report: {out / 'report' / 'index.html'}" in text
   assert "| mixer=hc |" in text and "final_loss" in text   # the summary table
+  from mhc_jax.sweep import report
+  assert report.finding(report.summary_table(out)) in text   # the computed sentence, printed
 
 
 @pytest.mark.slow

@@ -880,7 +880,7 @@ def _absent(df: pd.DataFrame, r: pd.Series) -> set:
     return set(nl.get(r["run"], ())) if "run" in r.index and isinstance(r["run"], str) else set()
 
 
-def _md_table(df: pd.DataFrame) -> str:
+def md_table(df: pd.DataFrame) -> str:
     if df.empty:
         return "_(no rows)_\n"
     esc = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
@@ -1078,17 +1078,17 @@ def write_report(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None
 
     md = [f"# Sweep report: {sweep_dir.resolve().name}", "",
           f"{len(table)} runs ({status_line}). Sweep axes: {axes_line}.", "", f"**{sentence}**", "",
-          "## Runs", "", _composite_note(), "", _md_table(table)]
+          "## Runs", "", _composite_note(), "", md_table(table)]
     if n_seeds_max > 1 or len(paired):
-        md += ["## Groups over seeds", "", group_text, "", _md_table(_groups_display(groups))]
+        md += ["## Groups over seeds", "", group_text, "", md_table(_groups_display(groups))]
     if len(paired):
         shown = _paired_display(paired)
         md += ["## Paired differences between mixers", "", paired_text, "",
-               _md_table(shown) if len(shown) else "_(no pairs with finite values)_\n"]
+               md_table(shown) if len(shown) else "_(no pairs with finite values)_\n"]
     if len(lr_tab):
         md += ["## Learning-rate sensitivity", "",
                "Wortsman et al.: mean over the lr grid of min(final_loss, loss_init) - its minimum; lower is "
-               "more robust to the choice of lr.", "", _md_table(lr_tab)]
+               "more robust to the choice of lr.", "", md_table(lr_tab)]
     if missing:
         md += ["## Missing or non-finite", ""] + [f"- {m}" for m in missing] + [""]
     md += ["## Plots", ""] + [f"- `{Path(paths[k]).name}`: {t}" for ks, t, _ in figures for k in ks] + [""]

@@ -67,7 +67,9 @@ __all__ = ["main", "run_sweep", "plan", "read_manifest", "write_manifest", "prep
 
 EXIT_FAILED, EXIT_PREEMPTED = 1, 143
 TABLE_COLUMNS = ["status", "steps", "final_loss", "spike_count", "max_grad_norm",
-                 "amax_fwd_composite_max", "amax_bwd_composite_max", "kl_bits", "nonfinite"]
+                 "amax_fwd_composite_max", "amax_fwd_composite_tok_mean_max",
+                 "amax_bwd_composite_max", "amax_bwd_composite_tok_mean_max", "kl_bits",
+                 "nonfinite"]
 
 
 def _is_main() -> bool:
@@ -340,7 +342,8 @@ def _print_table(out_dir: Path) -> None:
   table = report.summary_table(out_dir)
   ids = [c for c in table.attrs.get("id_columns", ["run"]) if c in table.columns]
   cols = ids + [c for c in TABLE_COLUMNS if c in table.columns and c not in ids]
-  print(report._md_table(table[cols]), end="")
+  print(report.md_table(table[cols]), end="")
+  print(report.finding(table))
 
 
 def _finish(out_dir: Path) -> int:
