@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-test: $(STAMP)
+test: lint  # the formatter check and the linter first, then the whole suite
 	$(PY) -m pytest -q -n 2 --durations=15
 
 test-fast: $(STAMP)

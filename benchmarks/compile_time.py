@@ -7,6 +7,7 @@ Lowers and compiles one value_and_grad step of the Transformer (width 64, 4 head
 batch 8) at each depth; prints seconds per depth and the ratio deepest / shallowest. Each
 measurement is the median of --repeats fresh compiles (the compilation cache is cleared).
 """
+
 import argparse
 import statistics
 import time
@@ -45,11 +46,12 @@ def main():
   ap.add_argument("--no-loop", action="store_true", help="skip the Python-loop comparison")
   args = ap.parse_args()
   from mhc_jax import mixers
+
   names = mixers.names() if args.mixer == "all" else [args.mixer]
   print(f"jax {jax.__version__} on {jax.devices()[0].platform}")
   ratios = {}
   for name in names:
-    for scan in ([True] if args.no_loop else [True, False]):
+    for scan in [True] if args.no_loop else [True, False]:
       secs = {}
       for d in args.depths:
         cfg = ModelConfig(vocab=256, depth=d, width=64, heads=4, mixer=name, scan=scan)
@@ -57,8 +59,10 @@ def main():
         print(f"  {name:>14} scan={scan!s:5} depth={d:3d}: compile {secs[d]:6.2f} s", flush=True)
       lo, hi = min(args.depths), max(args.depths)
       ratios[(name, scan)] = secs[hi] / secs[lo]
-      print(f"{name} scan={scan}: compile ratio depth {hi} / depth {lo} = {ratios[(name, scan)]:.2f}",
-            flush=True)
+      print(
+        f"{name} scan={scan}: compile ratio depth {hi} / depth {lo} = {ratios[(name, scan)]:.2f}",
+        flush=True,
+      )
   if len(names) > 1:
     worst = max((r, n) for (n, s), r in ratios.items() if s)
     print(f"worst scanned ratio: {worst[1]} {worst[0]:.2f}")

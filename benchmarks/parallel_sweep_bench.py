@@ -24,6 +24,7 @@ other work the wall times move with it, so compare ratios measured at a similar 
 sweep, both wall times and the ratio parallel / sequential, and checks that every run's
 ``metrics.jsonl`` is the same in both sweeps (timings aside).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,14 +56,19 @@ def run(cmd: list[str], env: dict) -> float:
   wall = time.perf_counter() - t0
   print(f"  load average after:  {load()}", flush=True)
   if r.returncode != 0:
-    sys.exit(f"error: the sweep failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    sys.exit(
+      f"error: the sweep failed (exit {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    )
   print(f"  wall {wall:.1f}s", flush=True)
   return wall
 
 
 def records(path: Path) -> list[dict]:
-  return [{k: v for k, v in json.loads(line).items() if k not in TIMING}
-          for line in path.read_text().splitlines() if line.strip()]
+  return [
+    {k: v for k, v in json.loads(line).items() if k not in TIMING}
+    for line in path.read_text().splitlines()
+    if line.strip()
+  ]
 
 
 def main() -> None:
@@ -77,37 +83,67 @@ def main() -> None:
   root = Path(args.keep or tempfile.mkdtemp(prefix="parallel_sweep_bench_"))
   root.mkdir(parents=True, exist_ok=True)
   sweep = root / "bench.yaml"
-  sweep.write_text(yaml.safe_dump({
-      "name": "parallel_bench", "base": str(REPO / "configs" / "quickstart.yaml"),
-      "set": {"model.mixer_options": {}, "train.steps": args.steps},
-      "axes": {"model.mixer": MIXERS}}, sort_keys=False))
+  sweep.write_text(
+    yaml.safe_dump(
+      {
+        "name": "parallel_bench",
+        "base": str(REPO / "configs" / "quickstart.yaml"),
+        "set": {"model.mixer_options": {}, "train.steps": args.steps},
+        "axes": {"model.mixer": MIXERS},
+      },
+      sort_keys=False,
+    )
+  )
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   for k in ("JAX_COMPILATION_CACHE_DIR", "XLA_FLAGS"):
     env.pop(k, None)
   mhc = str(REPO / ".venv" / "bin" / "mhc-jax")
   if not Path(mhc).exists():
     mhc = shutil.which("mhc-jax") or mhc
-  print(f"{os.cpu_count()} CPUs; {len(MIXERS)} runs of {args.steps} steps; "
-        f"MHC_SWEEP_PIN_CPUS={os.environ.get('MHC_SWEEP_PIN_CPUS', '0')}", flush=True)
+  print(
+    f"{os.cpu_count()} CPUs; {len(MIXERS)} runs of {args.steps} steps; "
+    f"MHC_SWEEP_PIN_CPUS={os.environ.get('MHC_SWEEP_PIN_CPUS', '0')}",
+    flush=True,
+  )
   seq_t, par_t, differ = [], [], set()
   for i in range(args.repeat):
     seq_dir, par_dir = root / f"sequential{i}", root / f"parallel{i}"
     for d in (seq_dir, par_dir):
       shutil.rmtree(d, ignore_errors=True)
     seq_t.append(run([mhc, "sweep", str(sweep), "--out", str(seq_dir), "--quiet"], env))
-    par_t.append(run([mhc, "sweep", str(sweep), "--out", str(par_dir), "--quiet",
-                      "--parallel", str(args.parallel)], env))
+    par_t.append(
+      run(
+        [
+          mhc,
+          "sweep",
+          str(sweep),
+          "--out",
+          str(par_dir),
+          "--quiet",
+          "--parallel",
+          str(args.parallel),
+        ],
+        env,
+      )
+    )
     for name in (f"mixer={m}" for m in MIXERS):
-      a, b = records(seq_dir / "runs" / name / "metrics.jsonl"), \
-          records(par_dir / "runs" / name / "metrics.jsonl")
+      a, b = (
+        records(seq_dir / "runs" / name / "metrics.jsonl"),
+        records(par_dir / "runs" / name / "metrics.jsonl"),
+      )
       if a != b:
         differ.add(name)
     print(f"  ratio this round: {par_t[-1] / seq_t[-1]:.2f}", flush=True)
   seq, par = min(seq_t), min(par_t)
-  same = ("every run's metrics identical" if not differ else
-          f"runs whose metrics differ from the sequential sweep: {', '.join(sorted(differ))}")
-  print(f"\nsequential: {seq:.1f}s   --parallel {args.parallel}: {par:.1f}s   "
-        f"ratio {par / seq:.2f} (best of {args.repeat}; {same})")
+  same = (
+    "every run's metrics identical"
+    if not differ
+    else f"runs whose metrics differ from the sequential sweep: {', '.join(sorted(differ))}"
+  )
+  print(
+    f"\nsequential: {seq:.1f}s   --parallel {args.parallel}: {par:.1f}s   "
+    f"ratio {par / seq:.2f} (best of {args.repeat}; {same})"
+  )
   if differ:
     sys.exit(1)
   if not args.keep:

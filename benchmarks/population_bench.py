@@ -9,6 +9,7 @@ on the same batch, on whatever devices JAX sees (mesh from the config: data-para
 Times are medians over --steps timed steps after --warmup untimed ones, each step blocked on.
 Compile times are reported separately: a population compiles once, P runs compile P times.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,7 +17,6 @@ import statistics
 
 import jax
 import numpy as np
-
 from timing import median_time
 
 from mhc_jax.sweep import population
@@ -41,18 +41,29 @@ def main(argv=None) -> None:
   args = ap.parse_args(argv)
 
   lrs = list(np.geomspace(1e-3, 3e-2, args.members))
-  base = load_config("configs/quickstart.yaml", [
-      f"model.mixer={args.mixer}", "model.mixer_options={}", f"model.depth={args.depth}",
-      f"model.width={args.width}", f"model.heads={max(1, args.width // 32)}",
-      f"data.seq_len={args.seq_len}", f"data.batch_size={args.batch}", "train.diag_every=0",
-      "optim.warmup_steps=0"])
+  base = load_config(
+    "configs/quickstart.yaml",
+    [
+      f"model.mixer={args.mixer}",
+      "model.mixer_options={}",
+      f"model.depth={args.depth}",
+      f"model.width={args.width}",
+      f"model.heads={max(1, args.width // 32)}",
+      f"data.seq_len={args.seq_len}",
+      f"data.batch_size={args.batch}",
+      "train.diag_every=0",
+      "optim.warmup_steps=0",
+    ],
+  )
   setups = [prepare(with_overrides(base, {"optim.lr": float(lr)})) for lr in lrs]
   cfg, mesh, source = setups[0].cfg, setups[0].mesh, setups[0].source
   batch = sh.put_batch(host_batch(source, cfg, 0), mesh)
   tokens = cfg.data.batch_size * cfg.data.seq_len
-  print(f"{jax.device_count()} x {jax.devices()[0].device_kind}; {args.mixer} depth {args.depth} "
-        f"width {args.width}, {args.batch} x {args.seq_len} tokens per step, "
-        f"{args.members} learning rates")
+  print(
+    f"{jax.device_count()} x {jax.devices()[0].device_kind}; {args.mixer} depth {args.depth} "
+    f"width {args.width}, {args.batch} x {args.seq_len} tokens per step, "
+    f"{args.members} learning rates"
+  )
 
   # the population: one program
   prog = population.programs(cfg, mesh, args.members, stacked_batch=False)
@@ -72,8 +83,12 @@ def main(argv=None) -> None:
     model = prog.model
     tx, schedule = make_optimizer(s.cfg.optim, s.cfg.train.steps)
     st, shard = create_state(model, prog.example, tx, mesh, s.cfg.train.seed)
-    fn = jax.jit(make_train_step(model, tx, schedule, s.cfg), static_argnums=2, donate_argnums=0,
-                 out_shardings=(shard, sh.replicated(mesh)))
+    fn = jax.jit(
+      make_train_step(model, tx, schedule, s.cfg),
+      static_argnums=2,
+      donate_argnums=0,
+      out_shardings=(shard, sh.replicated(mesh)),
+    )
     holder = {"s": st}
 
     def one_step(fn=fn, holder=holder):
@@ -85,15 +100,21 @@ def main(argv=None) -> None:
     seq_med.append(m)
 
   seq_total = sum(seq_med)
-  print(f"population of {args.members}: median step {pop_med * 1e3:.1f} ms "
-        f"({args.members * tokens / pop_med:,.0f} tokens/s over all members); "
-        f"first call (compile) {pop_first:.1f} s")
-  print(f"{args.members} sequential runs: median step {statistics.mean(seq_med) * 1e3:.1f} ms each, "
-        f"{seq_total * 1e3:.1f} ms for all {args.members} "
-        f"({args.members * tokens / seq_total:,.0f} tokens/s); first calls (compile) "
-        f"{sum(seq_first):.1f} s in all")
-  print(f"speed-up of the population: {seq_total / pop_med:.2f}x per step, "
-        f"{sum(seq_first) / pop_first:.2f}x in compile time")
+  print(
+    f"population of {args.members}: median step {pop_med * 1e3:.1f} ms "
+    f"({args.members * tokens / pop_med:,.0f} tokens/s over all members); "
+    f"first call (compile) {pop_first:.1f} s"
+  )
+  print(
+    f"{args.members} sequential runs: median step {statistics.mean(seq_med) * 1e3:.1f} ms each, "
+    f"{seq_total * 1e3:.1f} ms for all {args.members} "
+    f"({args.members * tokens / seq_total:,.0f} tokens/s); first calls (compile) "
+    f"{sum(seq_first):.1f} s in all"
+  )
+  print(
+    f"speed-up of the population: {seq_total / pop_med:.2f}x per step, "
+    f"{sum(seq_first) / pop_first:.2f}x in compile time"
+  )
 
 
 if __name__ == "__main__":

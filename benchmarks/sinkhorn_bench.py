@@ -3,6 +3,7 @@
 Shapes follow mHC's use: one n x n H_res per token. Usage:
   python benchmarks/sinkhorn_bench.py [--tokens 4096] [--n 4] [--iters 20 100] [--reps 20]
 """
+
 import argparse
 import time
 

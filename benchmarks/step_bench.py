@@ -19,6 +19,7 @@ of the compiled step (cost analysis), for reference.
 Times are medians over ``--steps`` timed steps after ``--warmup`` untimed ones, each blocked on.
 On the 2-core CPU the whole default run takes about 10 minutes; nothing else should run then.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,7 +32,6 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
 from timing import median_time
 
 from mhc_jax.model import Transformer
@@ -56,9 +56,9 @@ def model_flops(cfg, tokens: int, seq_len: int) -> float:
   """Training FLOPs of one step (3 x forward), mixers excluded (see the module docstring)."""
   m, c = cfg.model, cfg.model.width
   hidden = int(c * m.mlp_ratio)
-  per_block = 4 * c * c + 2 * c * hidden                     # q, k, v, out; up, down
-  matmul_params = m.depth * per_block + c * m.vocab         # + the LM head
-  fwd = 2 * matmul_params + m.depth * 2 * 2 * seq_len * c   # + scores and values
+  per_block = 4 * c * c + 2 * c * hidden  # q, k, v, out; up, down
+  matmul_params = m.depth * per_block + c * m.vocab  # + the LM head
+  fwd = 2 * matmul_params + m.depth * 2 * 2 * seq_len * c  # + scores and values
   return 3.0 * fwd * tokens
 
 
@@ -70,8 +70,12 @@ def build(cfg, variant: str):
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((b, t))}
   tx, schedule = make_optimizer(cfg.optim, 1000)
   params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"]))
-  state = State(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                nonfinite=jnp.zeros((), jnp.int32))
+  state = State(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=tx.init(params),
+    nonfinite=jnp.zeros((), jnp.int32),
+  )
   step = make_train_step(model, tx, schedule, cfg)
   fn = jax.jit(functools.partial(step, diag=variant == "diag"), donate_argnums=0)
   return fn, state, batch
@@ -98,18 +102,27 @@ def run_one(base_overrides, mixer: str, variant: str, steps: int, warmup: int) -
   _, med = median_time(one, steps, warmup)
   b, t = cfg.data.batch_size, cfg.data.seq_len
   flops = model_flops(cfg, b * t, t)
-  return {"mixer": mixer, "variant": variant, "compile_s": round(compile_s, 2),
-          "step_s": round(med, 4), "tokens_per_s": round(b * t / med, 1),
-          "gflop_per_s": round(flops / med / 1e9, 2), "model_gflop": round(flops / 1e9, 2),
-          "xla_gflop": round(float(xla.get("flops", float("nan"))) / 1e9, 2)}
+  return {
+    "mixer": mixer,
+    "variant": variant,
+    "compile_s": round(compile_s, 2),
+    "step_s": round(med, 4),
+    "tokens_per_s": round(b * t / med, 1),
+    "gflop_per_s": round(flops / med / 1e9, 2),
+    "model_gflop": round(flops / 1e9, 2),
+    "xla_gflop": round(float(xla.get("flops", float("nan"))) / 1e9, 2),
+  }
 
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--mixers", default="residual,hc,mhc,mhc_lite")
-  ap.add_argument("--variants", default="scan,loop,diag,bf16",
-                  help=f"comma list of {VARIANTS}; loop/diag/bf16 run for residual and mhc only "
-                       "unless --all-variants")
+  ap.add_argument(
+    "--variants",
+    default="scan,loop,diag,bf16",
+    help=f"comma list of {VARIANTS}; loop/diag/bf16 run for residual and mhc only "
+    "unless --all-variants",
+  )
   ap.add_argument("--all-variants", action="store_true")
   ap.add_argument("--width", type=int, default=256)
   ap.add_argument("--depth", type=int, default=8)
@@ -127,10 +140,17 @@ def main(argv=None) -> int:
   if bad:
     print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
     return 2
-  base = [f"model.width={args.width}", f"model.depth={args.depth}", f"model.heads={args.heads}",
-          f"model.vocab={args.vocab}", f"data.batch_size={args.batch}",
-          f"data.seq_len={args.seq_len}", "data.task=bijection", "optim.warmup_steps=0",
-          "mesh.data=1"]
+  base = [
+    f"model.width={args.width}",
+    f"model.depth={args.depth}",
+    f"model.heads={args.heads}",
+    f"model.vocab={args.vocab}",
+    f"data.batch_size={args.batch}",
+    f"data.seq_len={args.seq_len}",
+    "data.task=bijection",
+    "optim.warmup_steps=0",
+    "mesh.data=1",
+  ]
   rate = matmul_rate()
   print(f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"dense matmul (2048x1024 @ 1024x4096, f32): {rate:.1f} GFLOP/s")
@@ -147,10 +167,12 @@ def main(argv=None) -> int:
         continue
       row["of_matmul_rate"] = round(row["gflop_per_s"] / rate, 3)
       rows.append(row)
-      print(f"{mixer:>14} {variant:>5}  step {row['step_s']:.3f} s  "
-            f"{row['tokens_per_s']:>9.0f} tok/s  {row['gflop_per_s']:6.1f} GFLOP/s "
-            f"({100 * row['of_matmul_rate']:.0f}% of matmul)  compile {row['compile_s']:.1f} s",
-            flush=True)
+      print(
+        f"{mixer:>14} {variant:>5}  step {row['step_s']:.3f} s  "
+        f"{row['tokens_per_s']:>9.0f} tok/s  {row['gflop_per_s']:6.1f} GFLOP/s "
+        f"({100 * row['of_matmul_rate']:.0f}% of matmul)  compile {row['compile_s']:.1f} s",
+        flush=True,
+      )
   by = {(r["mixer"], r["variant"]): r["step_s"] for r in rows}
   res = by.get(("residual", "scan"))
   print("\nratios (step time):")
@@ -163,8 +185,9 @@ def main(argv=None) -> int:
       print(f"  {m} / residual (scan): {by[(m, 'scan')] / res:.2f}")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump({"matmul_gflop_per_s": rate, "rows": rows, "argv": argv or sys.argv[1:]}, f,
-                indent=1)
+      json.dump(
+        {"matmul_gflop_per_s": rate, "rows": rows, "argv": argv or sys.argv[1:]}, f, indent=1
+      )
   return 0
 
 

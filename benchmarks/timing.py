@@ -1,4 +1,5 @@
 """Timing shared by the benchmarks: medians after warm-up, each call blocked on."""
+
 from __future__ import annotations
 
 import statistics

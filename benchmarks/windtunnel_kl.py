@@ -22,6 +22,7 @@ and wall times, and writes OUT/windtunnel_kl.json. Usage:
 
 Results and timings on a 2-core CPU: docs/windtunnel_results.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,14 @@ def machine() -> dict:
   except AttributeError:  # pragma: no cover - not Linux
     cores = os.cpu_count()
   load = os.getloadavg() if hasattr(os, "getloadavg") else None
-  return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-          "cores": cores, "jax_backend": jax.default_backend(),
-          "devices": [str(d) for d in jax.devices()], "loadavg_at_start": load}
+  return {
+    "platform": platform.platform(),
+    "processor": platform.processor() or platform.machine(),
+    "cores": cores,
+    "jax_backend": jax.default_backend(),
+    "devices": [str(d) for d in jax.devices()],
+    "loadavg_at_start": load,
+  }
 
 
 def train_mlp(cfg, source, target_params: int, args) -> dict:
@@ -62,8 +68,9 @@ def train_mlp(cfg, source, target_params: int, args) -> dict:
   V, T = source.vocab_size, cfg.data.seq_len
   window = args.mlp_window or T
   width = match_width(target_params, V, window, args.mlp_depth, args.mlp_embed)
-  mlp = WindowMLP(vocab=V, width=width, window=window, depth=args.mlp_depth,
-                  embed_dim=args.mlp_embed)
+  mlp = WindowMLP(
+    vocab=V, width=width, window=window, depth=args.mlp_depth, embed_dim=args.mlp_embed
+  )
   steps = args.mlp_steps or cfg.train.steps
   tx, _ = make_optimizer(cfg.optim, steps)
   params = mlp.init(jax.random.PRNGKey(cfg.train.seed), jnp.zeros((1, T), jnp.int32))
@@ -75,6 +82,7 @@ def train_mlp(cfg, source, target_params: int, args) -> dict:
   def step(params, opt, batch):
     def loss_fn(p):
       return token_loss(mlp.apply(p, batch["inputs"]), batch, cfg.data.target)[0]
+
     loss, g = jax.value_and_grad(loss_fn)(params)
     upd, opt = tx.update(g, opt, params)
     return jax.tree.map(jnp.add, params, upd), opt, loss
@@ -86,12 +94,24 @@ def train_mlp(cfg, source, target_params: int, args) -> dict:
     b = {k: v for k, v in source.batch(i, cfg.data.batch_size).items() if k in KEYS}
     params, opt, loss = step(params, opt, b)
     if (i + 1) % every == 0 or i + 1 == steps:
-      print(f"  mlp step {i + 1}/{steps} loss {float(loss):.4f} "
-            f"elapsed {time.perf_counter() - t0:.0f}s", flush=True)
+      print(
+        f"  mlp step {i + 1}/{steps} loss {float(loss):.4f} "
+        f"elapsed {time.perf_counter() - t0:.0f}s",
+        flush=True,
+      )
   jax.block_until_ready(params)
-  return {"model": mlp, "params": params, "param_count": n, "width": width, "window": window,
-          "depth": args.mlp_depth, "embed_dim": args.mlp_embed, "steps": steps,
-          "final_loss": float(loss), "wall_s": time.perf_counter() - t0}
+  return {
+    "model": mlp,
+    "params": params,
+    "param_count": n,
+    "width": width,
+    "window": window,
+    "depth": args.mlp_depth,
+    "embed_dim": args.mlp_embed,
+    "steps": steps,
+    "final_loss": float(loss),
+    "wall_s": time.perf_counter() - t0,
+  }
 
 
 def mlp_fidelity(mlp, params, cfg, source, n_batches: int) -> dict:
@@ -132,11 +152,15 @@ def main(argv=None) -> int:
     return 2
   info = machine()
   opts = cfg.data.options
-  print(f"machine: {info['cores']} cores, {info['jax_backend']}, load average at start "
-        f"{info['loadavg_at_start']}")
+  print(
+    f"machine: {info['cores']} cores, {info['jax_backend']}, load average at start "
+    f"{info['loadavg_at_start']}"
+  )
   if cfg.data.task == "bijection":
-    print(f"task: bijection V={opts.get('n_symbols', 20)}, seq_len {cfg.data.seq_len}, "
-          f"{source.n_pairs} pairs, replacement={source.replacement}, target={cfg.data.target}")
+    print(
+      f"task: bijection V={opts.get('n_symbols', 20)}, seq_len {cfg.data.seq_len}, "
+      f"{source.n_pairs} pairs, replacement={source.replacement}, target={cfg.data.target}"
+    )
   else:
     print(f"task: {cfg.data.task} {opts}, seq_len {cfg.data.seq_len}, target={cfg.data.target}")
 
@@ -149,23 +173,42 @@ def main(argv=None) -> int:
   t_eval = time.perf_counter() - t1
   tm = ev["metrics"]
   n_tr = int(summary["params"]["total"])
-  rows = [{"model": f"Transformer (residual, L={cfg.model.depth}, d={cfg.model.width}, "
-                    f"H={cfg.model.heads})",
-           "params": n_tr, "steps": summary["steps"], "train_wall_s": t_train,
-           "kl_bits": tm["kl_bits"], "accuracy": tm["accuracy"],
-           "entropy_gap_bits": tm["entropy_gap_bits"], "ece": tm["ece"]}]
-  result = {"config": C.to_dict(cfg), "machine": info, "command": " ".join(sys.argv),
-            "transformer": {"summary": summary, "eval": ev, "train_wall_s": t_train,
-                            "eval_wall_s": t_eval}}
+  rows = [
+    {
+      "model": f"Transformer (residual, L={cfg.model.depth}, d={cfg.model.width}, "
+      f"H={cfg.model.heads})",
+      "params": n_tr,
+      "steps": summary["steps"],
+      "train_wall_s": t_train,
+      "kl_bits": tm["kl_bits"],
+      "accuracy": tm["accuracy"],
+      "entropy_gap_bits": tm["entropy_gap_bits"],
+      "ece": tm["ece"],
+    }
+  ]
+  result = {
+    "config": C.to_dict(cfg),
+    "machine": info,
+    "command": " ".join(sys.argv),
+    "transformer": {"summary": summary, "eval": ev, "train_wall_s": t_train, "eval_wall_s": t_eval},
+  }
   if not args.skip_mlp:
     print(f"training the parameter-matched WindowMLP ({n_tr} parameters to match)")
     m = train_mlp(cfg, source, n_tr, args)
     mm = mlp_fidelity(m["model"], m["params"], cfg, source, args.eval_batches)
-    rows.append({"model": f"WindowMLP (depth {m['depth']}, width {m['width']}, window "
-                          f"{m['window']}, embed {m['embed_dim']})",
-                 "params": m["param_count"], "steps": m["steps"], "train_wall_s": m["wall_s"],
-                 "kl_bits": mm["kl_bits"], "accuracy": mm["accuracy"],
-                 "entropy_gap_bits": mm["entropy_gap_bits"], "ece": mm["ece"]})
+    rows.append(
+      {
+        "model": f"WindowMLP (depth {m['depth']}, width {m['width']}, window "
+        f"{m['window']}, embed {m['embed_dim']})",
+        "params": m["param_count"],
+        "steps": m["steps"],
+        "train_wall_s": m["wall_s"],
+        "kl_bits": mm["kl_bits"],
+        "accuracy": mm["accuracy"],
+        "entropy_gap_bits": mm["entropy_gap_bits"],
+        "ece": mm["ece"],
+      }
+    )
     result["mlp"] = {k: v for k, v in m.items() if k not in ("model", "params")}
     result["mlp"]["metrics"] = mm
   result["rows"] = rows
@@ -175,23 +218,33 @@ def main(argv=None) -> int:
     result["filtering"] = tm["filtering"]
   result["total_wall_s"] = time.perf_counter() - t0
 
-  print(f"\nmean KL(posterior || model), bits per position, over {args.eval_batches} fresh "
-        f"validation batches ({tm['positions']} positions); uniform guess "
-        f"{tm['kl_bits_uniform']:.3f}")
-  print(f"{'model':<58} {'params':>8} {'steps':>6} {'train s':>8} {'KL bits':>8} {'acc':>6}"
-        f" {'H gap':>7}")
+  print(
+    f"\nmean KL(posterior || model), bits per position, over {args.eval_batches} fresh "
+    f"validation batches ({tm['positions']} positions); uniform guess "
+    f"{tm['kl_bits_uniform']:.3f}"
+  )
+  print(
+    f"{'model':<58} {'params':>8} {'steps':>6} {'train s':>8} {'KL bits':>8} {'acc':>6}"
+    f" {'H gap':>7}"
+  )
   for r in rows:
-    print(f"{r['model']:<58} {r['params']:>8,} {r['steps']:>6} {r['train_wall_s']:>8.0f} "
-          f"{r['kl_bits']:>8.4f} {r['accuracy']:>6.3f} {r['entropy_gap_bits']:>7.4f}")
+    print(
+      f"{r['model']:<58} {r['params']:>8,} {r['steps']:>6} {r['train_wall_s']:>8.0f} "
+      f"{r['kl_bits']:>8.4f} {r['accuracy']:>6.3f} {r['entropy_gap_bits']:>7.4f}"
+    )
   for name, kl in result["baselines_kl_bits"].items():
     print(f"{'baseline: ' + name.replace('_', '-'):<58} {'':>8} {'':>6} {'':>8} {kl:>8.4f}")
   if "filtering" in tm:
     f = tm["filtering"]
-    print(f"filtering (Transformer KL <= header-only / 10 = {f['threshold_bits']:.4f}): "
-          f"{'reached' if f['reached'] else 'NOT reached'} (KL = {f['kl_over_header_only']:.3f} x "
-          f"header-only; {'beats' if f['beats_last_obs'] else 'does not beat'} last-obs)")
-  print("KL by evidence (Transformer): "
-        + " ".join(f"{x:.3f}" for x in np.asarray(tm["by_evidence"]["kl_bits"])[:21]))
+    print(
+      f"filtering (Transformer KL <= header-only / 10 = {f['threshold_bits']:.4f}): "
+      f"{'reached' if f['reached'] else 'NOT reached'} (KL = {f['kl_over_header_only']:.3f} x "
+      f"header-only; {'beats' if f['beats_last_obs'] else 'does not beat'} last-obs)"
+    )
+  print(
+    "KL by evidence (Transformer): "
+    + " ".join(f"{x:.3f}" for x in np.asarray(tm["by_evidence"]["kl_bits"])[:21])
+  )
   out.mkdir(parents=True, exist_ok=True)
   evaluate.write_json_atomic(out / "windtunnel_kl.json", result)
   print(f"total wall time {result['total_wall_s']:.0f}s; results: {out / 'windtunnel_kl.json'}")

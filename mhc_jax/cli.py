@@ -6,6 +6,7 @@ what is wrong and exits with code 2, before anything is written. A run halted by
 errors live in :mod:`mhc_jax.errors`, run-directory rules in :mod:`mhc_jax.rundir`,
 multi-process start-up in :mod:`mhc_jax.train.dist`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +35,14 @@ class _Parser(argparse.ArgumentParser):
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
   p.add_argument("--config", help="YAML config (configs/*.yaml)")
-  p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                 help="dotted overrides, e.g. model.depth=32 optim.lr=3e-3 (may be repeated)")
+  p.add_argument(
+    "--set",
+    nargs="+",
+    action="extend",
+    default=[],
+    metavar="KEY=VALUE",
+    help="dotted overrides, e.g. model.depth=32 optim.lr=3e-3 (may be repeated)",
+  )
 
 
 def _add_dist_flags(p: argparse.ArgumentParser) -> None:
@@ -48,6 +55,7 @@ def _load(args):
   """The run's config: --config (+ --set), or the run directory's own for --resume."""
   from mhc_jax import rundir, storage
   from mhc_jax.train import config as C
+
   if args.resume:
     if args.out is None:
       raise UsageError("--resume needs --out RUN_DIR")
@@ -63,6 +71,7 @@ def _claim(out, cfg, resume: bool):
   """Check ``out`` and lock it (process 0); every process raises process 0's verdict."""
   from mhc_jax import rundir, storage
   from mhc_jax.train import config as C, dist
+
   verdict, lock = "", None
   if dist.is_main():
     try:
@@ -70,8 +79,7 @@ def _claim(out, cfg, resume: bool):
       if resume:
         saved = C.load_config(storage.path(out) / "config.yaml")
         if C.config_hash(saved) != C.config_hash(C.with_data_vocab(cfg, saved.model.vocab)):
-          raise UsageError(f"--resume: the config differs from the one saved in "
-                           f"{out}/config.yaml")
+          raise UsageError(f"--resume: the config differs from the one saved in {out}/config.yaml")
       lock = rundir.Lock(out).acquire()
     except BadInput as e:
       verdict = str(e)
@@ -86,6 +94,7 @@ def cmd_train(args) -> int:
   from mhc_jax import rundir, storage
   from mhc_jax.train import dist
   from mhc_jax.train.loop import SingleProgram, prepare, train
+
   cfg = _load(args)
   cfg = dist.init_distributed(cfg, args)
   setup = prepare(cfg)
@@ -97,9 +106,11 @@ def cmd_train(args) -> int:
     p = program.params()
     rundir.check(out, args.resume)
     print(f"run directory: {out} (dry run: nothing written)")
-    print(f"{setup.cfg.name}: {p['total']:,} parameters ({p['non_embedding']:,} non-embedding), "
-          f"{setup.cfg.train.steps} steps of {setup.cfg.data.batch_size} x "
-          f"{setup.cfg.data.seq_len} tokens on mesh {dict(setup.mesh.shape)}")
+    print(
+      f"{setup.cfg.name}: {p['total']:,} parameters ({p['non_embedding']:,} non-embedding), "
+      f"{setup.cfg.train.steps} steps of {setup.cfg.data.batch_size} x "
+      f"{setup.cfg.data.seq_len} tokens on mesh {dict(setup.mesh.shape)}"
+    )
     return 0
   lock = _claim(out, setup.cfg, args.resume)
   print(f"run directory: {out}", flush=True)
@@ -113,8 +124,10 @@ def cmd_train(args) -> int:
     if lock is not None:
       lock.release()
   if summary:
-    print(f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-          f"{summary['wall_s']:.1f}s")
+    print(
+      f"done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+      f"{summary['wall_s']:.1f}s"
+    )
     print(f"logs: {out}/metrics.jsonl  events: {out}/events.jsonl  summary: {out}/summary.json")
   return 0
 
@@ -122,6 +135,7 @@ def cmd_train(args) -> int:
 def cmd_report(args) -> int:
   from mhc_jax import storage
   from mhc_jax.sweep import report as rep
+
   path = storage.path(args.sweep_dir)
   if not path.is_dir():
     raise UsageError(f"report: {path} is not a directory")
@@ -135,11 +149,13 @@ def cmd_report(args) -> int:
 
 def cmd_sweep(args) -> int:
   from mhc_jax.sweep import runner
+
   return runner.main(args)
 
 
 def cmd_eval(args) -> int:
   from mhc_jax import evaluate
+
   return evaluate.main(args)
 
 
@@ -151,8 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
   _add_dist_flags(t)
   t.add_argument("--out", help="run directory (default runs/<name>/<time>-<hash>)")
   t.add_argument("--resume", action="store_true", help="continue the run in --out")
-  t.add_argument("--dry-run", action="store_true",
-                 help="validate, build and trace the step; print the size; write nothing")
+  t.add_argument(
+    "--dry-run",
+    action="store_true",
+    help="validate, build and trace the step; print the size; write nothing",
+  )
   t.add_argument("--quiet", action="store_true", help="no progress output")
   t.set_defaults(fn=cmd_train)
   r = sub.add_parser("report", help="summary table, plots and HTML page for a sweep")
@@ -162,12 +181,22 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("sweep", help="run a grid of runs (resumable); see configs/sweeps/")
   s.add_argument("sweep_file", help="sweep YAML (configs/sweeps/*.yaml)")
   s.add_argument("--out", help="sweep directory (default sweeps_out/<name>)")
-  s.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                 help="overrides applied to the base config of every run (may be repeated)")
+  s.add_argument(
+    "--set",
+    nargs="+",
+    action="extend",
+    default=[],
+    metavar="KEY=VALUE",
+    help="overrides applied to the base config of every run (may be repeated)",
+  )
   s.add_argument("--dry-run", action="store_true", help="list runs, parameter counts, FLOPs")
   s.add_argument("--quiet", action="store_true")
-  s.add_argument("--parallel", metavar="K", help="train up to K runs at once, each in its own "
-                 "worker process on its own slice of the devices (mhc_jax.sweep.executor)")
+  s.add_argument(
+    "--parallel",
+    metavar="K",
+    help="train up to K runs at once, each in its own "
+    "worker process on its own slice of the devices (mhc_jax.sweep.executor)",
+  )
   s.add_argument("--executor", help="where workers run: process (default), submitit-local, slurm")
   _add_dist_flags(s)
   s.set_defaults(fn=cmd_sweep)

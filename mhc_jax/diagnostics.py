@@ -30,6 +30,7 @@ Mixer layers are indexed ``l = 0 .. 2L-1`` in depth order (attn_0, mlp_0, attn_1
 * Ratios are plain divisions: a zero denominator gives inf (or NaN for 0/0), which the
   logs record honestly rather than hiding behind an epsilon.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -39,253 +40,263 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
-    "gain_fwd",
-    "branch_ratio",
-    "amax_fwd",
-    "amax_bwd",
-    "composite",
-    "amax_fwd_composite",
-    "amax_bwd_composite",
-    "log_colsum_max",
-    "amin_fwd",
-    "amin_bwd",
-    "suffix",
-    "token_composite_gains",
-    "growth_exponent",
-    "gain_bwd",
-    "tree_layer_norms",
-    "tree_norm",
-    "tree_rms",
-    "layer_metrics",
-    "LOG_FLOOR",
+  "gain_fwd",
+  "branch_ratio",
+  "amax_fwd",
+  "amax_bwd",
+  "composite",
+  "amax_fwd_composite",
+  "amax_bwd_composite",
+  "log_colsum_max",
+  "amin_fwd",
+  "amin_bwd",
+  "suffix",
+  "token_composite_gains",
+  "growth_exponent",
+  "gain_bwd",
+  "tree_layer_norms",
+  "tree_norm",
+  "tree_rms",
+  "layer_metrics",
+  "LOG_FLOOR",
 ]
 
 #: Floor used by :func:`log_colsum_max` for |column sum| before taking the log.
 LOG_FLOOR = 1e-30
 
 # Scalar stats from the model that layer_metrics passes through unchanged when present.
-_PASS_THROUGH = ("sinkhorn_err", "attn_logit_max", "out_logit_max", "logsumexp_mean", "logsumexp_max")
+_PASS_THROUGH = (
+  "sinkhorn_err",
+  "attn_logit_max",
+  "out_logit_max",
+  "logsumexp_mean",
+  "logsumexp_max",
+)
 
 
 def _f32(x) -> jax.Array:
-    return jnp.asarray(x, dtype=jnp.float32)
+  return jnp.asarray(x, dtype=jnp.float32)
 
 
 # --------------------------------------------------------------------------- RMS gains
 def gain_fwd(rms_in, rms_out) -> jax.Array:
-    """Forward gain per layer: RMS(stream out) / RMS(stream in). Shapes broadcast ([2L])."""
-    return _f32(rms_out) / _f32(rms_in)
+  """Forward gain per layer: RMS(stream out) / RMS(stream in). Shapes broadcast ([2L])."""
+  return _f32(rms_out) / _f32(rms_in)
 
 
 def branch_ratio(branch_rms, rms_in) -> jax.Array:
-    """Branch-to-stream ratio per layer: RMS(F) / RMS(stream in).
+  """Branch-to-stream ratio per layer: RMS(F) / RMS(stream in).
 
-    A ratio of per-element RMS values. For ``n`` streams the ratio of Frobenius norms
-    ``||F|| / ||x||`` is this divided by ``sqrt(n)`` (F has C channels, x has n*C).
-    """
-    return _f32(branch_rms) / _f32(rms_in)
+  A ratio of per-element RMS values. For ``n`` streams the ratio of Frobenius norms
+  ``||F|| / ||x||`` is this divided by ``sqrt(n)`` (F has C channels, x has n*C).
+  """
+  return _f32(branch_rms) / _f32(rms_in)
 
 
 def growth_exponent(rms_first, rms_last, depth) -> jax.Array:
-    """Depth growth exponent ``lambda = (1/depth) * ln(rms_last / rms_first)``.
+  """Depth growth exponent ``lambda = (1/depth) * ln(rms_last / rms_first)``.
 
-    docs/interfaces.md "Depth growth exponent". Pass the two ends in the order the signal
-    travels, so growth along the pass is positive for both passes: for activations RMS(x_0)
-    then RMS(x_out); for gradients the gradient RMS at the output end (the collapse input)
-    then at the input end (the stream entering layer 0), so a gradient that grows on its way
-    back to the input gives a positive exponent. ``depth`` is the number of layers between
-    the two ends (the train step uses the 2L mixer layers for both).
-    """
-    return jnp.log(_f32(rms_last) / _f32(rms_first)) / _f32(depth)
+  docs/interfaces.md "Depth growth exponent". Pass the two ends in the order the signal
+  travels, so growth along the pass is positive for both passes: for activations RMS(x_0)
+  then RMS(x_out); for gradients the gradient RMS at the output end (the collapse input)
+  then at the input end (the stream entering layer 0), so a gradient that grows on its way
+  back to the input gives a positive exponent. ``depth`` is the number of layers between
+  the two ends (the train step uses the 2L mixer layers for both).
+  """
+  return jnp.log(_f32(rms_last) / _f32(rms_first)) / _f32(depth)
 
 
 def gain_bwd(grad_rms, grad_rms_out=None) -> jax.Array:
-    """Backward gain per layer from gradient RMS values.
+  """Backward gain per layer from gradient RMS values.
 
-    ``grad_rms[l]`` is the RMS of dLoss/dx_l, the gradient w.r.t. the stream state entering
-    layer ``l`` ([..., 2L]). The backward gain of layer ``l`` is the factor by which it
-    scales the gradient passing through it, from its output to its input:
+  ``grad_rms[l]`` is the RMS of dLoss/dx_l, the gradient w.r.t. the stream state entering
+  layer ``l`` ([..., 2L]). The backward gain of layer ``l`` is the factor by which it
+  scales the gradient passing through it, from its output to its input:
 
-        gain_bwd[l] = grad_rms[l] / grad_rms[l + 1]        for l < 2L - 1
-        gain_bwd[2L-1] = grad_rms[2L-1] / grad_rms_out
+      gain_bwd[l] = grad_rms[l] / grad_rms[l + 1]        for l < 2L - 1
+      gain_bwd[2L-1] = grad_rms[2L-1] / grad_rms_out
 
-    where ``grad_rms_out`` is the RMS of the gradient w.r.t. the stream state leaving the
-    last layer (the input of ``collapse``). Without it the last entry is NaN, so the output
-    always has length 2L. Note this is the reciprocal orientation of ``gain_fwd``'s
-    out/in: both are "size after the layer's pass / size before" in the pass's direction.
-    """
-    g = _f32(grad_rms)
-    if grad_rms_out is None:
-        nxt = jnp.full(g.shape[:-1] + (1,), jnp.nan, dtype=jnp.float32)
-    else:
-        nxt = jnp.broadcast_to(_f32(grad_rms_out)[..., None], g.shape[:-1] + (1,))
-    denom = jnp.concatenate([g[..., 1:], nxt], axis=-1)
-    return g / denom
+  where ``grad_rms_out`` is the RMS of the gradient w.r.t. the stream state leaving the
+  last layer (the input of ``collapse``). Without it the last entry is NaN, so the output
+  always has length 2L. Note this is the reciprocal orientation of ``gain_fwd``'s
+  out/in: both are "size after the layer's pass / size before" in the pass's direction.
+  """
+  g = _f32(grad_rms)
+  if grad_rms_out is None:
+    nxt = jnp.full(g.shape[:-1] + (1,), jnp.nan, dtype=jnp.float32)
+  else:
+    nxt = jnp.broadcast_to(_f32(grad_rms_out)[..., None], g.shape[:-1] + (1,))
+  denom = jnp.concatenate([g[..., 1:], nxt], axis=-1)
+  return g / denom
 
 
 # --------------------------------------------------------------------------- Amax gains
 def amax_fwd(h) -> jax.Array:
-    """Forward Amax gain: max_i |sum_j h_ij| over the last two axes ([..., n, n] -> [...])."""
-    return jnp.max(jnp.abs(jnp.sum(_f32(h), axis=-1)), axis=-1)
+  """Forward Amax gain: max_i |sum_j h_ij| over the last two axes ([..., n, n] -> [...])."""
+  return jnp.max(jnp.abs(jnp.sum(_f32(h), axis=-1)), axis=-1)
 
 
 def amax_bwd(h) -> jax.Array:
-    """Backward Amax gain: max_j |sum_i h_ij| over the last two axes ([..., n, n] -> [...])."""
-    return jnp.max(jnp.abs(jnp.sum(_f32(h), axis=-2)), axis=-1)
+  """Backward Amax gain: max_j |sum_i h_ij| over the last two axes ([..., n, n] -> [...])."""
+  return jnp.max(jnp.abs(jnp.sum(_f32(h), axis=-2)), axis=-1)
 
 
 @jax.jit
 def amin_fwd(h) -> jax.Array:
-    """Forward attenuation: min_i |sum_j h_ij| over the last two axes ([..., n, n] -> [...])."""
-    return jnp.min(jnp.abs(jnp.sum(_f32(h), axis=-1)), axis=-1)
+  """Forward attenuation: min_i |sum_j h_ij| over the last two axes ([..., n, n] -> [...])."""
+  return jnp.min(jnp.abs(jnp.sum(_f32(h), axis=-1)), axis=-1)
 
 
 def amin_bwd(h) -> jax.Array:
-    """Backward attenuation: min_j |sum_i h_ij| over the last two axes ([..., n, n] -> [...])."""
-    return jnp.min(jnp.abs(jnp.sum(_f32(h), axis=-2)), axis=-1)
+  """Backward attenuation: min_j |sum_i h_ij| over the last two axes ([..., n, n] -> [...])."""
+  return jnp.min(jnp.abs(jnp.sum(_f32(h), axis=-2)), axis=-1)
 
 
 def composite(h_L) -> jax.Array:
-    """Running products over depth: ``P_l = H_l @ H_{l-1} @ ... @ H_0``.
+  """Running products over depth: ``P_l = H_l @ H_{l-1} @ ... @ H_0``.
 
-    ``h_L``: [..., 2L, n, n] with the layer axis third from last (any leading batch axes,
-    e.g. a population). Returns the same shape. Uses a parallel associative scan, so the
-    products are grouped differently from a left-to-right loop (same result up to rounding).
-    """
-    h = _f32(h_L)
-    # associative_scan combines (earlier, later); the later layer multiplies on the left.
-    return lax.associative_scan(lambda a, b: jnp.matmul(b, a), h, axis=-3)
+  ``h_L``: [..., 2L, n, n] with the layer axis third from last (any leading batch axes,
+  e.g. a population). Returns the same shape. Uses a parallel associative scan, so the
+  products are grouped differently from a left-to-right loop (same result up to rounding).
+  """
+  h = _f32(h_L)
+  # associative_scan combines (earlier, later); the later layer multiplies on the left.
+  return lax.associative_scan(lambda a, b: jnp.matmul(b, a), h, axis=-3)
 
 
 @jax.jit
 def suffix(h_L) -> jax.Array:
-    """Suffix products over depth: ``S_l = H_{2L-1} @ ... @ H_{l+1} @ H_l`` ([..., 2L, n, n]).
+  """Suffix products over depth: ``S_l = H_{2L-1} @ ... @ H_{l+1} @ H_l`` ([..., 2L, n, n]).
 
-    The map from the stream entering layer ``l`` to the output (the mHC paper's Eq. 4).
-    ``S_0`` equals the whole-depth prefix product ``P_{2L-1}`` (up to rounding).
-    """
-    h = jnp.flip(_f32(h_L), axis=-3)
-    # Reversed, the earlier element is the later layer, which multiplies on the left.
-    return jnp.flip(lax.associative_scan(jnp.matmul, h, axis=-3), axis=-3)
+  The map from the stream entering layer ``l`` to the output (the mHC paper's Eq. 4).
+  ``S_0`` equals the whole-depth prefix product ``P_{2L-1}`` (up to rounding).
+  """
+  h = jnp.flip(_f32(h_L), axis=-3)
+  # Reversed, the earlier element is the later layer, which multiplies on the left.
+  return jnp.flip(lax.associative_scan(jnp.matmul, h, axis=-3), axis=-3)
 
 
 def token_composite_gains(h_tok) -> dict[str, jax.Array]:
-    """Gains of per-token prefix products, summarised over the token sample.
+  """Gains of per-token prefix products, summarised over the token sample.
 
-    ``h_tok``: [..., 2L, S, n, n], the ``H_res`` of S sampled tokens at every layer (the same
-    tokens at every layer). Each token's own product ``P_l(s) = H_l(s) @ ... @ H_0(s)`` is
-    formed, and its forward/backward Amax is averaged and maxed over the S tokens. Returns
-    ``amax_{fwd,bwd}_composite_tok_{mean,max}`` ([..., 2L] each).
-    """
-    p = composite(jnp.swapaxes(_f32(h_tok), -3, -4))          # [..., S, 2L, n, n]
-    out = {}
-    for d, fn in (("fwd", amax_fwd), ("bwd", amax_bwd)):
-        g = fn(p)                                               # [..., S, 2L]
-        out[f"amax_{d}_composite_tok_mean"] = jnp.mean(g, axis=-2)
-        out[f"amax_{d}_composite_tok_max"] = jnp.max(g, axis=-2)
-    return out
+  ``h_tok``: [..., 2L, S, n, n], the ``H_res`` of S sampled tokens at every layer (the same
+  tokens at every layer). Each token's own product ``P_l(s) = H_l(s) @ ... @ H_0(s)`` is
+  formed, and its forward/backward Amax is averaged and maxed over the S tokens. Returns
+  ``amax_{fwd,bwd}_composite_tok_{mean,max}`` ([..., 2L] each).
+  """
+  p = composite(jnp.swapaxes(_f32(h_tok), -3, -4))  # [..., S, 2L, n, n]
+  out = {}
+  for d, fn in (("fwd", amax_fwd), ("bwd", amax_bwd)):
+    g = fn(p)  # [..., S, 2L]
+    out[f"amax_{d}_composite_tok_mean"] = jnp.mean(g, axis=-2)
+    out[f"amax_{d}_composite_tok_max"] = jnp.max(g, axis=-2)
+  return out
 
 
 def amax_fwd_composite(h_L) -> jax.Array:
-    """Forward Amax gain of each running product ``P_l`` ([..., 2L, n, n] -> [..., 2L])."""
-    return amax_fwd(composite(h_L))
+  """Forward Amax gain of each running product ``P_l`` ([..., 2L, n, n] -> [..., 2L])."""
+  return amax_fwd(composite(h_L))
 
 
 def amax_bwd_composite(h_L) -> jax.Array:
-    """Backward Amax gain of each running product ``P_l`` ([..., 2L, n, n] -> [..., 2L])."""
-    return amax_bwd(composite(h_L))
+  """Backward Amax gain of each running product ``P_l`` ([..., 2L, n, n] -> [..., 2L])."""
+  return amax_bwd(composite(h_L))
 
 
 def _log_colsum_max_of(p, floor: float = LOG_FLOOR) -> jax.Array:
-    colsum = jnp.sum(p, axis=-2)
-    return jnp.max(jnp.abs(jnp.log(jnp.maximum(jnp.abs(colsum), floor))), axis=-1)
+  colsum = jnp.sum(p, axis=-2)
+  return jnp.max(jnp.abs(jnp.log(jnp.maximum(jnp.abs(colsum), floor))), axis=-1)
 
 
 def log_colsum_max(h_L, floor: float = LOG_FLOOR) -> jax.Array:
-    """``max_j |log(column sum j of P_l)|`` per depth ([..., 2L, n, n] -> [..., 2L]).
+  """``max_j |log(column sum j of P_l)|`` per depth ([..., 2L, n, n] -> [..., 2L]).
 
-    0 for an exactly (column-)stochastic composite. A non-positive column sum (possible for
-    unconstrained HC) has no log; we use ``log(max(|s|, floor))`` with ``floor = 1e-30``:
-    the sign is dropped and a zero sum reads as |log 1e-30| ~ 69, i.e. "very far off".
-    NaN column sums stay NaN.
-    """
-    return _log_colsum_max_of(composite(h_L), floor)
+  0 for an exactly (column-)stochastic composite. A non-positive column sum (possible for
+  unconstrained HC) has no log; we use ``log(max(|s|, floor))`` with ``floor = 1e-30``:
+  the sign is dropped and a zero sum reads as |log 1e-30| ~ 69, i.e. "very far off".
+  NaN column sums stay NaN.
+  """
+  return _log_colsum_max_of(composite(h_L), floor)
 
 
 # --------------------------------------------------------------------------- parameter trees
 def _sq_leaves(tree):
-    return [jnp.square(_f32(x)) for x in jax.tree_util.tree_leaves(tree)]
+  return [jnp.square(_f32(x)) for x in jax.tree_util.tree_leaves(tree)]
 
 
 def tree_layer_norms(tree) -> jax.Array:
-    """L2 norm per layer across all leaves of a pytree with a leading layer axis -> [L].
+  """L2 norm per layer across all leaves of a pytree with a leading layer axis -> [L].
 
-    For the scanned parameters (or their gradients): every leaf is [L, ...]. Raises
-    ValueError for an empty tree or mismatched leading axes (a trace-time check).
-    """
-    leaves = _sq_leaves(tree)
-    if not leaves:
-        raise ValueError("tree_layer_norms: empty pytree (no leaves, so no layer axis)")
-    n_layers = {x.shape[0] if x.ndim else None for x in leaves}
-    if len(n_layers) != 1 or None in n_layers:
-        raise ValueError(f"tree_layer_norms: leaves must share a leading layer axis, got sizes {n_layers}")
-    total = sum(x.reshape(x.shape[0], -1).sum(axis=1) for x in leaves)
-    return jnp.sqrt(total)
+  For the scanned parameters (or their gradients): every leaf is [L, ...]. Raises
+  ValueError for an empty tree or mismatched leading axes (a trace-time check).
+  """
+  leaves = _sq_leaves(tree)
+  if not leaves:
+    raise ValueError("tree_layer_norms: empty pytree (no leaves, so no layer axis)")
+  n_layers = {x.shape[0] if x.ndim else None for x in leaves}
+  if len(n_layers) != 1 or None in n_layers:
+    raise ValueError(
+      f"tree_layer_norms: leaves must share a leading layer axis, got sizes {n_layers}"
+    )
+  total = sum(x.reshape(x.shape[0], -1).sum(axis=1) for x in leaves)
+  return jnp.sqrt(total)
 
 
 def tree_norm(tree) -> jax.Array:
-    """Global L2 norm of all leaves (0 for an empty tree)."""
-    leaves = _sq_leaves(tree)
-    return jnp.sqrt(sum((x.sum() for x in leaves), jnp.zeros((), jnp.float32)))
+  """Global L2 norm of all leaves (0 for an empty tree)."""
+  leaves = _sq_leaves(tree)
+  return jnp.sqrt(sum((x.sum() for x in leaves), jnp.zeros((), jnp.float32)))
 
 
 def tree_rms(tree) -> jax.Array:
-    """Root mean square over every element of every leaf (NaN for an empty tree)."""
-    leaves = _sq_leaves(tree)
-    count = sum(x.size for x in leaves)
-    if count == 0:
-        return jnp.full((), jnp.nan, jnp.float32)
-    return jnp.sqrt(sum(x.sum() for x in leaves) / count)
+  """Root mean square over every element of every leaf (NaN for an empty tree)."""
+  leaves = _sq_leaves(tree)
+  count = sum(x.size for x in leaves)
+  if count == 0:
+    return jnp.full((), jnp.nan, jnp.float32)
+  return jnp.sqrt(sum(x.sum() for x in leaves) / count)
 
 
 # --------------------------------------------------------------------------- all at once
-def layer_metrics(stats: Mapping[str, Any], grad_rms=None, grad_rms_out=None) -> dict[str, jax.Array]:
-    """All per-layer metrics from the stacked mixer stats of docs/interfaces.md.
+def layer_metrics(
+  stats: Mapping[str, Any], grad_rms=None, grad_rms_out=None
+) -> dict[str, jax.Array]:
+  """All per-layer metrics from the stacked mixer stats of docs/interfaces.md.
 
-    ``stats`` holds ``h_res [2L, n, n]``, ``h_res_tok [2L, S, n, n]``, ``rms_in``,
-    ``rms_out``, ``branch_rms`` [2L] (any may be missing, its metrics are then skipped).
-    Returns ``gain_fwd``, ``branch_ratio``, ``amax_fwd``, ``amax_bwd``,
-    ``amax_{fwd,bwd}_composite``, ``amin_{fwd,bwd}_composite``, ``amax_{fwd,bwd}_suffix``,
-    ``log_colsum_max`` (token-averaged ``h_res``), ``amax_{fwd,bwd}_composite_tok_{mean,max}``
-    (per-token products of ``h_res_tok``), all [2L], and with ``grad_rms`` given also ``grad_rms`` and
-    ``gain_bwd`` (see :func:`gain_bwd` for ``grad_rms_out``). ``sinkhorn_err``,
-    ``attn_logit_max`` and the scalar ``out_logit_max``, ``logsumexp_mean``,
-    ``logsumexp_max`` are passed through (as float32) when present.
-    """
-    out: dict[str, jax.Array] = {}
-    if "rms_in" in stats and "rms_out" in stats:
-        out["gain_fwd"] = gain_fwd(stats["rms_in"], stats["rms_out"])
-    if "rms_in" in stats and "branch_rms" in stats:
-        out["branch_ratio"] = branch_ratio(stats["branch_rms"], stats["rms_in"])
-    if "h_res" in stats:
-        h = _f32(stats["h_res"])
-        p = composite(h)
-        out["amax_fwd"] = amax_fwd(h)
-        out["amax_bwd"] = amax_bwd(h)
-        sfx = suffix(h)
-        out["amax_fwd_composite"] = amax_fwd(p)
-        out["amax_bwd_composite"] = amax_bwd(p)
-        out["amin_fwd_composite"] = amin_fwd(p)
-        out["amin_bwd_composite"] = amin_bwd(p)
-        out["amax_fwd_suffix"] = amax_fwd(sfx)
-        out["amax_bwd_suffix"] = amax_bwd(sfx)
-        out["log_colsum_max"] = _log_colsum_max_of(p)
-    if "h_res_tok" in stats:
-        out.update(token_composite_gains(stats["h_res_tok"]))
-    if grad_rms is not None:
-        out["grad_rms"] = _f32(grad_rms)
-        out["gain_bwd"] = gain_bwd(grad_rms, grad_rms_out)
-    for key in _PASS_THROUGH:
-        if key in stats:
-            out[key] = _f32(stats[key])
-    return out
+  ``stats`` holds ``h_res [2L, n, n]``, ``h_res_tok [2L, S, n, n]``, ``rms_in``,
+  ``rms_out``, ``branch_rms`` [2L] (any may be missing, its metrics are then skipped).
+  Returns ``gain_fwd``, ``branch_ratio``, ``amax_fwd``, ``amax_bwd``,
+  ``amax_{fwd,bwd}_composite``, ``amin_{fwd,bwd}_composite``, ``amax_{fwd,bwd}_suffix``,
+  ``log_colsum_max`` (token-averaged ``h_res``), ``amax_{fwd,bwd}_composite_tok_{mean,max}``
+  (per-token products of ``h_res_tok``), all [2L], and with ``grad_rms`` given also ``grad_rms`` and
+  ``gain_bwd`` (see :func:`gain_bwd` for ``grad_rms_out``). ``sinkhorn_err``,
+  ``attn_logit_max`` and the scalar ``out_logit_max``, ``logsumexp_mean``,
+  ``logsumexp_max`` are passed through (as float32) when present.
+  """
+  out: dict[str, jax.Array] = {}
+  if "rms_in" in stats and "rms_out" in stats:
+    out["gain_fwd"] = gain_fwd(stats["rms_in"], stats["rms_out"])
+  if "rms_in" in stats and "branch_rms" in stats:
+    out["branch_ratio"] = branch_ratio(stats["branch_rms"], stats["rms_in"])
+  if "h_res" in stats:
+    h = _f32(stats["h_res"])
+    p = composite(h)
+    out["amax_fwd"] = amax_fwd(h)
+    out["amax_bwd"] = amax_bwd(h)
+    sfx = suffix(h)
+    out["amax_fwd_composite"] = amax_fwd(p)
+    out["amax_bwd_composite"] = amax_bwd(p)
+    out["amin_fwd_composite"] = amin_fwd(p)
+    out["amin_bwd_composite"] = amin_bwd(p)
+    out["amax_fwd_suffix"] = amax_fwd(sfx)
+    out["amax_bwd_suffix"] = amax_bwd(sfx)
+    out["log_colsum_max"] = _log_colsum_max_of(p)
+  if "h_res_tok" in stats:
+    out.update(token_composite_gains(stats["h_res_tok"]))
+  if grad_rms is not None:
+    out["grad_rms"] = _f32(grad_rms)
+    out["gain_bwd"] = gain_bwd(grad_rms, grad_rms_out)
+  for key in _PASS_THROUGH:
+    if key in stats:
+      out[key] = _f32(stats[key])
+  return out

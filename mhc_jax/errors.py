@@ -5,6 +5,7 @@ as one ``error: ...`` line and exit code 2, before anything is written. A run st
 (non-finite values, divergence) exits 3; SIGTERM saves a checkpoint and exits 143; a sweep with
 a failed run exits 1.
 """
+
 from __future__ import annotations
 
 import sys

@@ -53,6 +53,7 @@ Text tasks (text, tfds; no posterior): ``eval_loss`` (nats per byte) and ``bits_
 Bad input (no such directory, no config.yaml, no checkpoint, a config that no longer validates,
 ``--batches < 1``) raises :class:`mhc_jax.cli.UsageError` or ``ConfigError``: one message, exit 2.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-PROBE_BATCHES = 2   # validation batches the geometry probes use
+PROBE_BATCHES = 2  # validation batches the geometry probes use
 PCA_MAX_POINTS = 4096
 
 
@@ -73,6 +74,7 @@ PCA_MAX_POINTS = 4096
 
 def _usage(msg: str):
   from mhc_jax.errors import UsageError
+
   return UsageError(msg)
 
 
@@ -89,8 +91,10 @@ def load_run(run_dir: str | os.PathLike):
     raise _usage(f"--run: {run} is not a run directory (no config.yaml)")
   ck_dir = run / "checkpoints"
   if not ck_dir.is_dir() or not any(p.name.isdigit() for p in ck_dir.iterdir()):
-    raise _usage(f"--run: {run} has no checkpoint in {ck_dir} (train with train.ckpt_every, "
-                 f"or let the run finish: it saves one at the end)")
+    raise _usage(
+      f"--run: {run} has no checkpoint in {ck_dir} (train with train.ckpt_every, "
+      f"or let the run finish: it saves one at the end)"
+    )
   try:
     cfg = load_config(run / "config.yaml")
   except ConfigError as e:
@@ -106,8 +110,9 @@ def load_run(run_dir: str | os.PathLike):
   from mhc_jax.train.state import abstract_state, state_shardings
 
   try:
-    source = data.make_source(cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
-                              **cfg.data.options)
+    source = data.make_source(
+      cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
+    )
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(f"data.options: {e}") from None
   cfg = with_data_vocab(cfg, source.vocab_size)
@@ -131,6 +136,7 @@ def _eval_mesh(cfg):
 
   from mhc_jax.train import sharding as sh
   from mhc_jax.train.config import ConfigError, MeshConfig
+
   try:
     return sh.make_mesh(cfg.mesh, cfg.data.batch_size)
   except ConfigError:
@@ -142,8 +148,9 @@ def restore_params(ckpt, abstract, step: int, run: Path):
     state, _ = ckpt.restore(abstract, step)
   except Exception as e:  # orbax raises many kinds; the first line says what went wrong
     first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-    raise _usage(f"--run: cannot restore checkpoint {step} of {run} "
-                 f"({type(e).__name__}: {first})") from None
+    raise _usage(
+      f"--run: cannot restore checkpoint {step} of {run} ({type(e).__name__}: {first})"
+    ) from None
   return state.params
 
 
@@ -163,8 +170,11 @@ def _forward_fns(model, cfg):
 
   def inter(params, tokens):
     (logits, _), st = model.apply(
-        params, tokens, mutable=["intermediates"],
-        capture_intermediates=lambda mdl, name: mdl.name == "value" and name == "__call__")
+      params,
+      tokens,
+      mutable=["intermediates"],
+      capture_intermediates=lambda mdl, name: mdl.name == "value" and name == "__call__",
+    )
     return st["intermediates"]
 
   return jax.jit(fwd), jax.jit(inter)
@@ -173,6 +183,7 @@ def _forward_fns(model, cfg):
 def _batches(source, cfg, n: int, mesh) -> list[dict]:
   from mhc_jax.train import sharding as sh
   from mhc_jax.train.loop import host_batch
+
   out = []
   for i in range(n):
     b = host_batch(source, cfg, i, split="validation")
@@ -216,8 +227,10 @@ def baseline_kls(source, cat: dict, vocab: int, G: int) -> dict:
   out = {}
   for name, dist in base.items():
     kl = kl_bits_dist(cat["posterior"], pad_vocab(dist, vocab)) * (mask > 0)
-    out[name] = {"kl_bits": float(kl.sum() / n),
-                 "kl_bits_by_evidence": _mean_by(kl, mask, cat["evidence"], G)}
+    out[name] = {
+      "kl_bits": float(kl.sum() / n),
+      "kl_bits_by_evidence": _mean_by(kl, mask, cat["evidence"], G),
+    }
   return out
 
 
@@ -233,36 +246,50 @@ def fidelity(host_batches: list[dict], logits: list[np.ndarray], source=None) ->
   import jax
 
   from mhc_jax import posterior as P
+
   keys = ("posterior", "mask", "evidence") + (("inputs",) if source is not None else ())
   cat = {k: np.concatenate([b[k] for b in host_batches]) for k in keys}
   lg = np.concatenate(logits)
   cat["posterior"] = pad_vocab(cat["posterior"], lg.shape[-1])
   G = int(cat["evidence"].max()) + 1
-  fm = jax.device_get(P.fidelity_metrics({k: cat[k] for k in ("posterior", "mask", "evidence")},
-                                         lg, num_groups=G))
-  out = {k: float(fm[k]) for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece",
-                                   "posterior_entropy_bits", "model_entropy_bits")}
+  fm = jax.device_get(
+    P.fidelity_metrics({k: cat[k] for k in ("posterior", "mask", "evidence")}, lg, num_groups=G)
+  )
+  out = {
+    k: float(fm[k])
+    for k in (
+      "kl_bits",
+      "entropy_gap_bits",
+      "accuracy",
+      "ece",
+      "posterior_entropy_bits",
+      "model_entropy_bits",
+    )
+  }
   if source is not None and hasattr(source, "baselines"):
     out["baselines"] = baseline_kls(source, cat, lg.shape[-1], G)
     out["kl_bits_uniform"] = out["baselines"]["uniform"]["kl_bits"]
   else:  # uniform guess over the answer symbols (every token the posterior ever gives mass to)
     support = (cat["posterior"] * cat["mask"][..., None]).reshape(-1, lg.shape[-1]).max(0) > 0
     uni = np.where(support, 0.0, -1e9).astype(np.float32)
-    out["kl_bits_uniform"] = float(P.kl_bits(cat["posterior"], np.broadcast_to(uni, lg.shape),
-                                             cat["mask"]))
+    out["kl_bits_uniform"] = float(
+      P.kl_bits(cat["posterior"], np.broadcast_to(uni, lg.shape), cat["mask"])
+    )
   if getattr(source, "predict", None) == "state":
     hdr = out["baselines"]["header_only"]["kl_bits"]
     last = out["baselines"]["last_obs"]["kl_bits"]
     out["filtering"] = {
-        "criterion": f"kl_bits <= header_only / {FILTERING_FACTOR}",
-        "threshold_bits": hdr / FILTERING_FACTOR,
-        "reached": bool(out["kl_bits"] <= hdr / FILTERING_FACTOR),
-        "kl_over_header_only": out["kl_bits"] / hdr if hdr > 0 else float("nan"),
-        "beats_last_obs": bool(out["kl_bits"] < last),
+      "criterion": f"kl_bits <= header_only / {FILTERING_FACTOR}",
+      "threshold_bits": hdr / FILTERING_FACTOR,
+      "reached": bool(out["kl_bits"] <= hdr / FILTERING_FACTOR),
+      "kl_over_header_only": out["kl_bits"] / hdr if hdr > 0 else float("nan"),
+      "beats_last_obs": bool(out["kl_bits"] < last),
     }
   for g in ("evidence", "position"):
-    out[f"by_{g}"] = {k: np.asarray(fm[f"{k}_by_{g}"], np.float64)
-                      for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece")}
+    out[f"by_{g}"] = {
+      k: np.asarray(fm[f"{k}_by_{g}"], np.float64)
+      for k in ("kl_bits", "entropy_gap_bits", "accuracy", "ece")
+    }
     out[f"by_{g}"]["count"] = np.asarray(fm[f"count_by_{g}"], np.float64)
   out["positions"] = int(cat["mask"].sum())
   return out
@@ -282,9 +309,15 @@ def stacked_intermediates(inter: dict, depth: int) -> dict[str, np.ndarray]:
 
   def unpack(tree):
     a = tree["attn"]
-    return {"stream": tree["stream"][0], "q": a["q"][0], "k": a["k"][0], "attn": a["attn"][0],
-            "q_pre": a.get("q_pre_rope", a["q"])[0], "k_pre": a.get("k_pre_rope", a["k"])[0],
-            "value": a["value"]["__call__"][0]}
+    return {
+      "stream": tree["stream"][0],
+      "q": a["q"][0],
+      "k": a["k"][0],
+      "attn": a["attn"][0],
+      "q_pre": a.get("q_pre_rope", a["q"])[0],
+      "k_pre": a.get("k_pre_rope", a["k"])[0],
+      "value": a["value"]["__call__"][0],
+    }
 
   inter = jax.device_get(inter)
   if "blocks" in inter:
@@ -316,61 +349,70 @@ def bijection_targets(inputs: np.ndarray, mask: np.ndarray, n_symbols: int) -> n
 
 
 CONTROLS = {
-    "key_orthogonality": "keys read before RoPE (the rotation depends on position, not content); "
-                         "every layer's mean |cos| has a random-direction reference (as many "
-                         "random directions in the same dimension, centred alike) and the ratio",
-    "qk_alignment": "q and k read before RoPE; slope of cos against evidence taken within groups "
-                    "of equal query-target distance (evidence grows with distance)",
-    "pca_entropy": "bijection: only new-key positions (the 'key seen before' flag is most of the "
-                   "entropy variance); position partialled out of states and entropy (fixed "
-                   "effects) before PCA and correlation",
-    "drift": "needs 5+ checkpoints spread through training; norm-free measures (total "
-             "variation of attention rows, angle of value vectors) per 1000 steps",
+  "key_orthogonality": "keys read before RoPE (the rotation depends on position, not content); "
+  "every layer's mean |cos| has a random-direction reference (as many "
+  "random directions in the same dimension, centred alike) and the ratio",
+  "qk_alignment": "q and k read before RoPE; slope of cos against evidence taken within groups "
+  "of equal query-target distance (evidence grows with distance)",
+  "pca_entropy": "bijection: only new-key positions (the 'key seen before' flag is most of the "
+  "entropy variance); position partialled out of states and entropy (fixed "
+  "effects) before PCA and correlation",
+  "drift": "needs 5+ checkpoints spread through training; norm-free measures (total "
+  "variation of attention rows, angle of value vectors) per 1000 steps",
 }
 
 
-def key_orthogonality_probe(k: np.ndarray, positions, hyp: np.ndarray, grouping: str,
-                            head: tuple[int, int] | None = None) -> dict:
+def key_orthogonality_probe(
+  k: np.ndarray, positions, hyp: np.ndarray, grouping: str, head: tuple[int, int] | None = None
+) -> dict:
   """Keys [L,B,T,H,D] (before RoPE) at `positions` grouped by `hyp`: per layer with all heads
   concatenated, each with its random-direction reference; the last layer as the summary, and
   (when given) the single (layer, head) `head`."""
   from mhc_jax import probes
+
   L = k.shape[0]
   bi, ti = positions
   if len(np.unique(hyp)) < 2:
     return {"grouping": grouping, "skipped": "fewer than two hypotheses in the probe batches"}
-  per_layer = [probes.key_orthogonality(k[l][bi, ti].reshape(len(bi), -1), hyp, center=True)
-               for l in range(L)]
+  per_layer = [
+    probes.key_orthogonality(k[l][bi, ti].reshape(len(bi), -1), hyp, center=True) for l in range(L)
+  ]
   last = per_layer[-1]
   out = {
-      "grouping": grouping,
-      "reads": "keys before RoPE",
-      "controls": CONTROLS["key_orthogonality"],
-      "layer": L - 1,
-      "hypotheses": int(len(last["hypotheses"])),
-      "points": int(len(bi)),
-      "mean_abs_cos": last["mean_abs_cos"],
-      "max_abs_cos": last["max_abs_cos"],
-      "within_cos": last["within_cos"],
-      "random_mean_abs_cos": last["random_mean_abs_cos"],
-      "ratio_to_random": last["ratio_to_random"],
-      "mean_abs_cos_by_layer": [r["mean_abs_cos"] for r in per_layer],
-      "random_mean_abs_cos_by_layer": [r["random_mean_abs_cos"] for r in per_layer],
-      "ratio_to_random_by_layer": [r["ratio_to_random"] for r in per_layer],
-      "within_cos_by_layer": [r["within_cos"] for r in per_layer],
+    "grouping": grouping,
+    "reads": "keys before RoPE",
+    "controls": CONTROLS["key_orthogonality"],
+    "layer": L - 1,
+    "hypotheses": int(len(last["hypotheses"])),
+    "points": int(len(bi)),
+    "mean_abs_cos": last["mean_abs_cos"],
+    "max_abs_cos": last["max_abs_cos"],
+    "within_cos": last["within_cos"],
+    "random_mean_abs_cos": last["random_mean_abs_cos"],
+    "ratio_to_random": last["ratio_to_random"],
+    "mean_abs_cos_by_layer": [r["mean_abs_cos"] for r in per_layer],
+    "random_mean_abs_cos_by_layer": [r["random_mean_abs_cos"] for r in per_layer],
+    "ratio_to_random_by_layer": [r["ratio_to_random"] for r in per_layer],
+    "within_cos_by_layer": [r["within_cos"] for r in per_layer],
   }
   if head is not None:
     l, h = head
     r = probes.key_orthogonality(k[l][bi, ti, h], hyp, center=True)
-    out["retrieval_head"] = {"layer": int(l), "head": int(h), "mean_abs_cos": r["mean_abs_cos"],
-                             "max_abs_cos": r["max_abs_cos"], "within_cos": r["within_cos"],
-                             "random_mean_abs_cos": r["random_mean_abs_cos"],
-                             "ratio_to_random": r["ratio_to_random"]}
+    out["retrieval_head"] = {
+      "layer": int(l),
+      "head": int(h),
+      "mean_abs_cos": r["mean_abs_cos"],
+      "max_abs_cos": r["max_abs_cos"],
+      "within_cos": r["within_cos"],
+      "random_mean_abs_cos": r["random_mean_abs_cos"],
+      "ratio_to_random": r["ratio_to_random"],
+    }
   return out
 
 
 def qk_alignment_probe(it: dict, tgt: np.ndarray, evidence: np.ndarray, G: int) -> dict:
   from mhc_jax import probes
+
   bi, ti = np.nonzero(tgt >= 0)
   if len(bi) < 2:
     return {"skipped": "no query whose key was seen before (bijection with replacement=false?)"}
@@ -382,39 +424,48 @@ def qk_alignment_probe(it: dict, tgt: np.ndarray, evidence: np.ndarray, G: int) 
   layer, head = np.unravel_index(int(np.argmax(mean_on)), mean_on.shape)
   ev = evidence[bi, ti]
   dist = ti - si
-  r = probes.qk_alignment_by_evidence(it["q_pre"][layer][bi, ti, head],
-                                      it["k_pre"][layer][bi, si, head], ev, num_groups=G,
-                                      distance=dist)
-  old = probes.qk_alignment_by_evidence(it["q"][layer][bi, ti, head],
-                                        it["k"][layer][bi, si, head], ev, num_groups=G)
+  r = probes.qk_alignment_by_evidence(
+    it["q_pre"][layer][bi, ti, head],
+    it["k_pre"][layer][bi, si, head],
+    ev,
+    num_groups=G,
+    distance=dist,
+  )
+  old = probes.qk_alignment_by_evidence(
+    it["q"][layer][bi, ti, head], it["k"][layer][bi, si, head], ev, num_groups=G
+  )
   a = on_target[layer, head]
   cnt = np.bincount(ev, minlength=G).astype(np.float64)
   with np.errstate(invalid="ignore", divide="ignore"):
     attn_by_ev = np.where(cnt > 0, np.bincount(ev, weights=a, minlength=G) / cnt, np.nan)
   return {
-      "reads": "q and k before RoPE",
-      "controls": CONTROLS["qk_alignment"],
-      "layer": int(layer), "head": int(head), "points": int(len(bi)),
-      "attn_on_target": float(a.mean()),
-      "attn_on_target_by_layer_head": mean_on,
-      "cos_mean": float(r["cos"].mean()),
-      "alignment_by_evidence": r["alignment"],
-      "alignment_by_evidence_distance_adjusted": r["alignment_adjusted"],
-      "attn_on_target_by_evidence": attn_by_ev,
-      "count_by_evidence": r["count"],
-      "slope": r["slope"],
-      "slope_unconditioned": r["slope_raw"],
-      "distance_groups": r["distance_groups"],
-      "slope_old_definition": old["slope_raw"],  # after RoPE, not conditioned on distance
+    "reads": "q and k before RoPE",
+    "controls": CONTROLS["qk_alignment"],
+    "layer": int(layer),
+    "head": int(head),
+    "points": int(len(bi)),
+    "attn_on_target": float(a.mean()),
+    "attn_on_target_by_layer_head": mean_on,
+    "cos_mean": float(r["cos"].mean()),
+    "alignment_by_evidence": r["alignment"],
+    "alignment_by_evidence_distance_adjusted": r["alignment_adjusted"],
+    "attn_on_target_by_evidence": attn_by_ev,
+    "count_by_evidence": r["count"],
+    "slope": r["slope"],
+    "slope_unconditioned": r["slope_raw"],
+    "distance_groups": r["distance_groups"],
+    "slope_old_definition": old["slope_raw"],  # after RoPE, not conditioned on distance
   }
 
 
-def pca_probe(stream: np.ndarray, positions, entropy: np.ndarray, seed: int = 0,
-              old_positions=None) -> dict:
+def pca_probe(
+  stream: np.ndarray, positions, entropy: np.ndarray, seed: int = 0, old_positions=None
+) -> dict:
   """PCA of the residual stream at `positions` after each block vs the entropy, position
   partialled out; `old_positions` (all supervised positions) gives the old, unconditioned
   figure for comparison."""
   from mhc_jax import probes
+
   rng = np.random.default_rng(seed)
 
   def subsample(bi, ti):
@@ -426,26 +477,28 @@ def pca_probe(stream: np.ndarray, positions, entropy: np.ndarray, seed: int = 0,
   bi, ti = subsample(*positions)
   h = entropy[bi, ti]
   if len(bi) < 3 or np.std(probes.partial_out(h, strata=ti)) < 1e-9:
-    return {"skipped": "the posterior entropy does not vary within a position on the probe "
-                       "positions"}
+    return {
+      "skipped": "the posterior entropy does not vary within a position on the probe positions"
+    }
   per_layer = []
   for l in range(stream.shape[0]):
     X = stream[l][bi, ti].sum(axis=-2)  # streams summed: [N, C]
     per_layer.append(probes.pca_vs_entropy(X, h, k=3, strata=ti))
   last = per_layer[-1]
   out = {
-      "controls": CONTROLS["pca_entropy"],
-      "layer": stream.shape[0] - 1,
-      "points": int(len(bi)),
-      "entropy_std_within_position": last["entropy_std"],
-      "explained_variance_ratio": last["explained_variance_ratio"],
-      "corr_entropy": last["corr_entropy"],
-      "corr_pc1_entropy": last["corr_pc1_entropy"],
-      "abs_corr_pc1_entropy": last["abs_corr_pc1_entropy"],
-      "abs_corr_pc1_entropy_by_layer": [r["abs_corr_pc1_entropy"] for r in per_layer],
-      "max_abs_corr_pc123_entropy_by_layer": [float(np.max(np.abs(r["corr_entropy"])))
-                                              for r in per_layer],
-      "pc1_variance_by_layer": [float(r["explained_variance_ratio"][0]) for r in per_layer],
+    "controls": CONTROLS["pca_entropy"],
+    "layer": stream.shape[0] - 1,
+    "points": int(len(bi)),
+    "entropy_std_within_position": last["entropy_std"],
+    "explained_variance_ratio": last["explained_variance_ratio"],
+    "corr_entropy": last["corr_entropy"],
+    "corr_pc1_entropy": last["corr_pc1_entropy"],
+    "abs_corr_pc1_entropy": last["abs_corr_pc1_entropy"],
+    "abs_corr_pc1_entropy_by_layer": [r["abs_corr_pc1_entropy"] for r in per_layer],
+    "max_abs_corr_pc123_entropy_by_layer": [
+      float(np.max(np.abs(r["corr_entropy"]))) for r in per_layer
+    ],
+    "pc1_variance_by_layer": [float(r["explained_variance_ratio"][0]) for r in per_layer],
   }
   if old_positions is not None:
     ob, ot = subsample(*old_positions)
@@ -458,23 +511,29 @@ def pca_probe(stream: np.ndarray, positions, entropy: np.ndarray, seed: int = 0,
 
 def drift_probe(series_attn: list[np.ndarray], series_value: list[np.ndarray], steps) -> dict:
   from mhc_jax import probes
+
   r = probes.drift(np.stack(series_attn), np.stack(series_value), steps)
-  by_layer = [probes.drift(np.stack([a[l] for a in series_attn]),
-                           np.stack([v[l] for v in series_value]), steps)
-              for l in range(series_attn[0].shape[0])]
+  by_layer = [
+    probes.drift(
+      np.stack([a[l] for a in series_attn]), np.stack([v[l] for v in series_value]), steps
+    )
+    for l in range(series_attn[0].shape[0])
+  ]
   return {
-      "controls": CONTROLS["drift"],
-      "steps": list(steps),
-      "attn_drift": r["attn_drift"], "value_drift": r["value_drift"],
-      "units": "attention: mean total-variation distance per 1000 steps; values: mean angle "
-               "(radians) per 1000 steps",
-      "attn_fall": r["attn_fall"], "value_fall": r["value_fall"],
-      "attention_settles_first": r["attention_settles_first"],
-      "attn_drift_by_layer": [d["attn_drift"] for d in by_layer],
-      "value_drift_by_layer": [d["value_drift"] for d in by_layer],
-      "attention_settles_first_by_layer": [d["attention_settles_first"] for d in by_layer],
-      "attn_drift_relative_old_definition": r["attn_drift_relative"],
-      "value_drift_relative_old_definition": r["value_drift_relative"],
+    "controls": CONTROLS["drift"],
+    "steps": list(steps),
+    "attn_drift": r["attn_drift"],
+    "value_drift": r["value_drift"],
+    "units": "attention: mean total-variation distance per 1000 steps; values: mean angle "
+    "(radians) per 1000 steps",
+    "attn_fall": r["attn_fall"],
+    "value_fall": r["value_fall"],
+    "attention_settles_first": r["attention_settles_first"],
+    "attn_drift_by_layer": [d["attn_drift"] for d in by_layer],
+    "value_drift_by_layer": [d["value_drift"] for d in by_layer],
+    "attention_settles_first_by_layer": [d["attention_settles_first"] for d in by_layer],
+    "attn_drift_relative_old_definition": r["attn_drift_relative"],
+    "value_drift_relative_old_definition": r["value_drift_relative"],
   }
 
 
@@ -482,19 +541,26 @@ def drift_skip_reason(steps) -> str | None:
   """Why the drift probe cannot run on these checkpoint steps (None: it can): it needs
   MIN_DRIFT_CHECKPOINTS of them, the first no later than half-way to the last."""
   from mhc_jax.probes import MIN_DRIFT_CHECKPOINTS
+
   if len(steps) < MIN_DRIFT_CHECKPOINTS:
-    return (f"needs {MIN_DRIFT_CHECKPOINTS}+ checkpoints spread through training, the run kept "
-            f"{len(steps)} (set train.ckpt_every and train.keep_ckpts >= {MIN_DRIFT_CHECKPOINTS})")
+    return (
+      f"needs {MIN_DRIFT_CHECKPOINTS}+ checkpoints spread through training, the run kept "
+      f"{len(steps)} (set train.ckpt_every and train.keep_ckpts >= {MIN_DRIFT_CHECKPOINTS})"
+    )
   if steps[0] > steps[-1] / 2:
-    return (f"the kept checkpoints {list(steps)} cover only the end of training; the first must "
-            f"be no later than half-way (raise train.ckpt_every)")
+    return (
+      f"the kept checkpoints {list(steps)} cover only the end of training; the first must "
+      f"be no later than half-way (raise train.ckpt_every)"
+    )
   return None
 
 
 def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
   from mhc_jax.posterior import entropy_bits_pointwise
-  it = _cat_inter([stacked_intermediates(inter_fn(params, d["inputs"]), cfg.model.depth)
-                   for d in dev_batches])
+
+  it = _cat_inter(
+    [stacked_intermediates(inter_fn(params, d["inputs"]), cfg.model.depth) for d in dev_batches]
+  )
   hb = {k: np.concatenate([b[k] for b in host_batches]) for k in host_batches[0]}
   mask, inputs, evidence = hb["mask"], hb["inputs"], hb["evidence"].astype(np.int64)
   entropy = np.asarray(entropy_bits_pointwise(hb["posterior"])) * mask
@@ -510,7 +576,8 @@ def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
     qk = qk_alignment_probe(it, tgt, evidence, G)
     head = (qk["layer"], qk["head"]) if "layer" in qk else None
     out["key_orthogonality"] = key_orthogonality_probe(
-        it["k_pre"], vpos, hyp, "key symbol answered by the value token", head)
+      it["k_pre"], vpos, hyp, "key symbol answered by the value token", head
+    )
     out["qk_alignment"] = qk
     new_keys = np.nonzero((mask > 0) & (tgt < 0))
     out["pca_entropy"] = pca_probe(it["stream"], new_keys, entropy, old_positions=sup)
@@ -520,7 +587,8 @@ def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
     h = source.header_len
     opos = np.nonzero((inputs < K) & (np.arange(inputs.shape[1])[None, :] >= h))
     out["key_orthogonality"] = key_orthogonality_probe(
-        it["k_pre"], opos, inputs[opos], "observed symbol")
+      it["k_pre"], opos, inputs[opos], "observed symbol"
+    )
     out["qk_alignment"] = {"skipped": "HMM filtering has no single target position to retrieve"}
     out["pca_entropy"] = pca_probe(it["stream"], sup, entropy, old_positions=sup)
     out["pca_entropy"]["positions"] = "all supervised positions"
@@ -554,13 +622,22 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
       count += float(n)
     eval_loss = loss_sum / max(count, 1.0)
     result: dict[str, Any] = {
-        "run": str(run), "task": cfg.data.task, "step": steps[-1], "checkpoint_steps": steps,
-        "batches": batches, "batch_size": cfg.data.batch_size, "seq_len": cfg.data.seq_len,
-        "mixer": cfg.model.mixer, "target": cfg.data.target,
+      "run": str(run),
+      "task": cfg.data.task,
+      "step": steps[-1],
+      "checkpoint_steps": steps,
+      "batches": batches,
+      "batch_size": cfg.data.batch_size,
+      "seq_len": cfg.data.seq_len,
+      "mixer": cfg.model.mixer,
+      "target": cfg.data.target,
     }
     if not source.has_posterior:
-      result["metrics"] = {"eval_loss": eval_loss, "bits_per_byte": eval_loss / math.log(2),
-                           "positions": int(count)}
+      result["metrics"] = {
+        "eval_loss": eval_loss,
+        "bits_per_byte": eval_loss / math.log(2),
+        "positions": int(count),
+      }
     else:
       result["metrics"] = {"eval_loss": eval_loss, **fidelity(host_b, logits, source)}
       np_ = min(batches, PROBE_BATCHES)
@@ -609,46 +686,62 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
 
 def summary_lines(r: dict) -> list[str]:
   m = r["metrics"]
-  lines = [f"eval of {r['run']} at step {r['step']} ({r['task']}, {r['batches']} validation "
-           f"batches of {r['batch_size']})"]
+  lines = [
+    f"eval of {r['run']} at step {r['step']} ({r['task']}, {r['batches']} validation "
+    f"batches of {r['batch_size']})"
+  ]
   if "kl_bits" not in m:
-    lines.append(f"  eval loss {m['eval_loss']:.4f} nats/byte = {m['bits_per_byte']:.4f} "
-                 "bits/byte")
+    lines.append(f"  eval loss {m['eval_loss']:.4f} nats/byte = {m['bits_per_byte']:.4f} bits/byte")
     return lines
-  lines.append(f"  KL {m['kl_bits']:.4f} bits/position  entropy gap {m['entropy_gap_bits']:.4f}"
-               f"  accuracy {m['accuracy']:.3f}  ECE {m['ece']:.3f}  eval loss "
-               f"{m['eval_loss']:.4f}")
+  lines.append(
+    f"  KL {m['kl_bits']:.4f} bits/position  entropy gap {m['entropy_gap_bits']:.4f}"
+    f"  accuracy {m['accuracy']:.3f}  ECE {m['ece']:.3f}  eval loss "
+    f"{m['eval_loss']:.4f}"
+  )
   base = m.get("baselines") or {"uniform": {"kl_bits": m["kl_bits_uniform"]}}
-  lines.append("  baselines, KL bits/position: " + ", ".join(
-      f"{name.replace('_', '-')} {b['kl_bits']:.4f}" for name, b in base.items()))
+  lines.append(
+    "  baselines, KL bits/position: "
+    + ", ".join(f"{name.replace('_', '-')} {b['kl_bits']:.4f}" for name, b in base.items())
+  )
   f = m.get("filtering")
   if f:
     verdict = "reached" if f["reached"] else "NOT reached"
-    lines.append(f"  filtering (KL <= header-only/10 = {f['threshold_bits']:.4f}): {verdict}; "
-                 f"KL is {f['kl_over_header_only']:.3f} x header-only; "
-                 f"{'beats' if f['beats_last_obs'] else 'does NOT beat'} the last-observation "
-                 "guess")
+    lines.append(
+      f"  filtering (KL <= header-only/10 = {f['threshold_bits']:.4f}): {verdict}; "
+      f"KL is {f['kl_over_header_only']:.3f} x header-only; "
+      f"{'beats' if f['beats_last_obs'] else 'does NOT beat'} the last-observation "
+      "guess"
+    )
   p = r.get("probes", {})
   bits = []
   ko = p.get("key_orthogonality", {})
   if "mean_abs_cos" in ko:
     rh = ko.get("retrieval_head")
-    bits.append(f"keys (pre-RoPE) mean |cos| {ko['mean_abs_cos']:.3f} = "
-                f"{ko['ratio_to_random']:.2f} x random" + (
-                    f" (retrieval head {rh['mean_abs_cos']:.3f} = {rh['ratio_to_random']:.2f} x "
-                    "random)" if rh else ""))
+    bits.append(
+      f"keys (pre-RoPE) mean |cos| {ko['mean_abs_cos']:.3f} = "
+      f"{ko['ratio_to_random']:.2f} x random"
+      + (
+        f" (retrieval head {rh['mean_abs_cos']:.3f} = {rh['ratio_to_random']:.2f} x random)"
+        if rh
+        else ""
+      )
+    )
   qk = p.get("qk_alignment", {})
   if "slope" in qk:
-    bits.append(f"retrieval head L{qk['layer']}H{qk['head']} attn on target "
-                f"{qk['attn_on_target']:.2f}, pre-RoPE q-k cos slope {qk['slope']:+.4f}/evidence "
-                "at fixed distance")
+    bits.append(
+      f"retrieval head L{qk['layer']}H{qk['head']} attn on target "
+      f"{qk['attn_on_target']:.2f}, pre-RoPE q-k cos slope {qk['slope']:+.4f}/evidence "
+      "at fixed distance"
+    )
   pc = p.get("pca_entropy", {})
   if "corr_pc1_entropy" in pc:
     bits.append(f"PC1 vs entropy, position partialled out: r = {pc['corr_pc1_entropy']:+.3f}")
   dr = p.get("drift", {})
   if "attention_settles_first" in dr:
-    bits.append(f"attention settles first: {'yes' if dr['attention_settles_first'] else 'no'} "
-                f"(fall {dr['attn_fall']:.2f} vs values {dr['value_fall']:.2f})")
+    bits.append(
+      f"attention settles first: {'yes' if dr['attention_settles_first'] else 'no'} "
+      f"(fall {dr['attn_fall']:.2f} vs values {dr['value_fall']:.2f})"
+    )
   if bits:
     lines.append("  " + "; ".join(bits))
   return lines

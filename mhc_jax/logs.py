@@ -15,6 +15,7 @@ Run directory: ``config.yaml``, ``metrics.jsonl``, ``events.jsonl``, ``summary.j
 Sweep directory: ``manifest.json`` = ``{"runs": {name: {"status", "overrides", "dir"}}}``
 with ``dir`` relative to the sweep directory, plus one run directory per run.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,15 +31,15 @@ import pandas as pd
 from mhc_jax import storage
 
 __all__ = [
-    "JsonlWriter",
-    "to_jsonable",
-    "read_jsonl",
-    "truncate_after",
-    "load_run",
-    "load_events",
-    "load_sweep",
-    "load_summaries",
-    "flatten_dict",
+  "JsonlWriter",
+  "to_jsonable",
+  "read_jsonl",
+  "truncate_after",
+  "load_run",
+  "load_events",
+  "load_sweep",
+  "load_summaries",
+  "flatten_dict",
 ]
 
 EVENT_COLUMNS = ["step", "kind", "value", "threshold"]
@@ -47,343 +48,353 @@ LONG_COLUMNS = ["step", "metric", "layer", "value"]
 
 # =========================================================================== writing
 def to_jsonable(record: Any) -> str:
-    """One record as a single JSON line (no trailing newline); NaN/Infinity allowed."""
-    return json.dumps(record, default=storage.json_default, allow_nan=True, separators=(",", ":"))
+  """One record as a single JSON line (no trailing newline); NaN/Infinity allowed."""
+  return json.dumps(record, default=storage.json_default, allow_nan=True, separators=(",", ":"))
 
 
 def _complete_lines(data: bytes) -> bytes:
-    """``data`` ending at a line boundary: a last line without its newline is completed if it
-    is a whole JSON object, otherwise (a write cut short by a kill) dropped."""
-    if not data or data.endswith(b"\n"):
-        return data
-    cut = data.rfind(b"\n") + 1
-    try:
-        complete = isinstance(json.loads(data[cut:]), dict)
-    except ValueError:
-        complete = False
-    return data + b"\n" if complete else data[:cut]
+  """``data`` ending at a line boundary: a last line without its newline is completed if it
+  is a whole JSON object, otherwise (a write cut short by a kill) dropped."""
+  if not data or data.endswith(b"\n"):
+    return data
+  cut = data.rfind(b"\n") + 1
+  try:
+    complete = isinstance(json.loads(data[cut:]), dict)
+  except ValueError:
+    complete = False
+  return data + b"\n" if complete else data[:cut]
 
 
 def _repair_tail(path: str) -> None:
-    """Make the local file ``path`` end at a line boundary (see :func:`_complete_lines`)."""
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return
-    with open(path, "r+b") as f:
-        f.seek(-1, os.SEEK_END)
-        if f.read(1) == b"\n":
-            return
-        f.seek(0)
-        data = f.read()
-        fixed = _complete_lines(data)
-        if len(fixed) > len(data):
-            f.seek(0, os.SEEK_END)
-            f.write(b"\n")
-        else:
-            f.truncate(len(fixed))
+  """Make the local file ``path`` end at a line boundary (see :func:`_complete_lines`)."""
+  if not os.path.exists(path) or os.path.getsize(path) == 0:
+    return
+  with open(path, "r+b") as f:
+    f.seek(-1, os.SEEK_END)
+    if f.read(1) == b"\n":
+      return
+    f.seek(0)
+    data = f.read()
+    fixed = _complete_lines(data)
+    if len(fixed) > len(data):
+      f.seek(0, os.SEEK_END)
+      f.write(b"\n")
+    else:
+      f.truncate(len(fixed))
 
 
 class JsonlWriter:
-    """Append-only JSONL writer: one object per line.
+  """Append-only JSONL writer: one object per line.
 
-    Local files are appended to and flushed after every write (``fsync=True`` also forces each
-    line to disk); opening repairs a partial last line left by a killed writer, so appended
-    records never merge into garbage. On an object store (``gs://...``, no appends) the file
-    is rewritten whole by :meth:`flush`, at most every ``flush_secs`` seconds on its own and
-    whenever the caller asks (the trainer flushes before every checkpoint, so the logs of the
-    steps a checkpoint holds are stored before it). Use as a context manager or ``close()``.
-    """
+  Local files are appended to and flushed after every write (``fsync=True`` also forces each
+  line to disk); opening repairs a partial last line left by a killed writer, so appended
+  records never merge into garbage. On an object store (``gs://...``, no appends) the file
+  is rewritten whole by :meth:`flush`, at most every ``flush_secs`` seconds on its own and
+  whenever the caller asks (the trainer flushes before every checkpoint, so the logs of the
+  steps a checkpoint holds are stored before it). Use as a context manager or ``close()``.
+  """
 
-    def __init__(self, path: str | os.PathLike, fsync: bool = False, flush_secs: float = 30.0):
-        self.path = storage.path(path)
-        self.fsync = fsync
-        self.local = storage.is_local(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.local:
-            _repair_tail(os.fspath(self.path))
-            self._f = open(self.path, "a", encoding="utf-8")
-        else:
-            self._f = None
-            self._buf = [_complete_lines(self.path.read_bytes()) if self.path.exists() else b""]
-            self._dirty, self._closed = False, False
-            self.flush_secs, self._last = flush_secs, time.monotonic()
+  def __init__(self, path: str | os.PathLike, fsync: bool = False, flush_secs: float = 30.0):
+    self.path = storage.path(path)
+    self.fsync = fsync
+    self.local = storage.is_local(path)
+    self.path.parent.mkdir(parents=True, exist_ok=True)
+    if self.local:
+      _repair_tail(os.fspath(self.path))
+      self._f = open(self.path, "a", encoding="utf-8")
+    else:
+      self._f = None
+      self._buf = [_complete_lines(self.path.read_bytes()) if self.path.exists() else b""]
+      self._dirty, self._closed = False, False
+      self.flush_secs, self._last = flush_secs, time.monotonic()
 
-    def write(self, record: Mapping[str, Any]) -> None:
-        line = to_jsonable(dict(record))  # serialise first: a bad record writes nothing
-        if self.local:
-            self._f.write(line + "\n")
-            self._f.flush()
-            if self.fsync:
-                os.fsync(self._f.fileno())
-            return
-        self._buf.append(line.encode() + b"\n")
-        self._dirty = True
-        if time.monotonic() - self._last >= self.flush_secs:
-            self.flush()
+  def write(self, record: Mapping[str, Any]) -> None:
+    line = to_jsonable(dict(record))  # serialise first: a bad record writes nothing
+    if self.local:
+      self._f.write(line + "\n")
+      self._f.flush()
+      if self.fsync:
+        os.fsync(self._f.fileno())
+      return
+    self._buf.append(line.encode() + b"\n")
+    self._dirty = True
+    if time.monotonic() - self._last >= self.flush_secs:
+      self.flush()
 
-    def write_many(self, records: Iterable[Mapping[str, Any]]) -> None:
-        for r in records:
-            self.write(r)
+  def write_many(self, records: Iterable[Mapping[str, Any]]) -> None:
+    for r in records:
+      self.write(r)
 
-    def flush(self) -> None:
-        """Everything written so far is stored (locally: on disk with ``fsync``)."""
-        if self.local:
-            if not self._f.closed:
-                self._f.flush()
-                if self.fsync:
-                    os.fsync(self._f.fileno())
-            return
-        if self._dirty:
-            data = b"".join(self._buf)
-            self._buf = [data]
-            self.path.write_bytes(data)
-            self._dirty = False
-        self._last = time.monotonic()
+  def flush(self) -> None:
+    """Everything written so far is stored (locally: on disk with ``fsync``)."""
+    if self.local:
+      if not self._f.closed:
+        self._f.flush()
+        if self.fsync:
+          os.fsync(self._f.fileno())
+      return
+    if self._dirty:
+      data = b"".join(self._buf)
+      self._buf = [data]
+      self.path.write_bytes(data)
+      self._dirty = False
+    self._last = time.monotonic()
 
-    @property
-    def closed(self) -> bool:
-        return self._f.closed if self.local else self._closed
+  @property
+  def closed(self) -> bool:
+    return self._f.closed if self.local else self._closed
 
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.flush()
-        if self.local:
-            self._f.close()
-        else:
-            self._closed = True
+  def close(self) -> None:
+    if self.closed:
+      return
+    self.flush()
+    if self.local:
+      self._f.close()
+    else:
+      self._closed = True
 
-    def __enter__(self) -> "JsonlWriter":
-        return self
+  def __enter__(self) -> "JsonlWriter":
+    return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 # =========================================================================== reading
 def _parse_lines(raw: bytes, path) -> list[tuple[bytes, Any]]:
-    """(line, parsed) for each non-blank line; a bad *last* line is dropped (a write cut
-    short), a bad line anywhere else is corruption and raises ValueError."""
-    lines = [ln for ln in raw.split(b"\n") if ln.strip()]
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append((line, json.loads(line)))
-        except ValueError as e:
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}: corrupt JSONL record {i + 1} (not the last line): {e}") from e
-    return out
+  """(line, parsed) for each non-blank line; a bad *last* line is dropped (a write cut
+  short), a bad line anywhere else is corruption and raises ValueError."""
+  lines = [ln for ln in raw.split(b"\n") if ln.strip()]
+  out = []
+  for i, line in enumerate(lines):
+    try:
+      out.append((line, json.loads(line)))
+    except ValueError as e:
+      if i == len(lines) - 1:
+        break
+      raise ValueError(f"{path}: corrupt JSONL record {i + 1} (not the last line): {e}") from e
+  return out
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of a JSONL file; tolerates a truncated last line (dropped)."""
-    path = storage.path(path)
-    return [rec for _, rec in _parse_lines(path.read_bytes(), path)]
+  """All records of a JSONL file; tolerates a truncated last line (dropped)."""
+  path = storage.path(path)
+  return [rec for _, rec in _parse_lines(path.read_bytes(), path)]
 
 
 def truncate_after(path: str | os.PathLike, step: int) -> int:
-    """Drop records with ``record["step"] > step`` from a JSONL file, atomically.
+  """Drop records with ``record["step"] > step`` from a JSONL file, atomically.
 
-    The kept lines are copied byte for byte (order preserved, lines without a ``step`` kept)
-    and replace the file atomically (:func:`mhc_jax.storage.write_bytes_atomic`): a crash at
-    any point leaves either the old or the new file. A partial last line is dropped. Returns
-    the number of records dropped (0 if the file is missing). Do this before opening a writer
-    on the file: a writer opened earlier keeps appending to the replaced file.
-    """
-    path = storage.path(path)
-    if not path.exists():
-        return 0
-    kept, dropped = [], 0
-    for line, rec in _parse_lines(path.read_bytes(), path):
-        if isinstance(rec, dict) and rec.get("step") is not None and rec["step"] > step:
-            dropped += 1
-        else:
-            kept.append(line)
-    mode = stat.S_IMODE(os.stat(path).st_mode) if storage.is_local(path) else None
-    storage.write_bytes_atomic(path, b"".join(ln + b"\n" for ln in kept), mode=mode)
-    return dropped
+  The kept lines are copied byte for byte (order preserved, lines without a ``step`` kept)
+  and replace the file atomically (:func:`mhc_jax.storage.write_bytes_atomic`): a crash at
+  any point leaves either the old or the new file. A partial last line is dropped. Returns
+  the number of records dropped (0 if the file is missing). Do this before opening a writer
+  on the file: a writer opened earlier keeps appending to the replaced file.
+  """
+  path = storage.path(path)
+  if not path.exists():
+    return 0
+  kept, dropped = [], 0
+  for line, rec in _parse_lines(path.read_bytes(), path):
+    if isinstance(rec, dict) and rec.get("step") is not None and rec["step"] > step:
+      dropped += 1
+    else:
+      kept.append(line)
+  mode = stat.S_IMODE(os.stat(path).st_mode) if storage.is_local(path) else None
+  storage.write_bytes_atomic(path, b"".join(ln + b"\n" for ln in kept), mode=mode)
+  return dropped
 
 
 def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
-    """Nested mappings -> one level with dotted keys (``{"model": {"depth": 4}}`` ->
-    ``{"model.depth": 4}``); lists and other values are kept as they are."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{sep}{k}" if prefix else str(k)
-        if isinstance(v, Mapping) and v:
-            out.update(flatten_dict(v, key, sep))
-        else:
-            out[key] = v
-    return out
+  """Nested mappings -> one level with dotted keys (``{"model": {"depth": 4}}`` ->
+  ``{"model.depth": 4}``); lists and other values are kept as they are."""
+  out: dict[str, Any] = {}
+  for k, v in d.items():
+    key = f"{prefix}{sep}{k}" if prefix else str(k)
+    if isinstance(v, Mapping) and v:
+      out.update(flatten_dict(v, key, sep))
+    else:
+      out[key] = v
+  return out
 
 
 def _read_config(run_dir) -> dict[str, Any]:
-    path = storage.path(run_dir) / "config.yaml"
-    if not path.exists():
-        return {}
-    import yaml
+  path = storage.path(run_dir) / "config.yaml"
+  if not path.exists():
+    return {}
+  import yaml
 
-    cfg = yaml.safe_load(path.read_text()) or {}
-    return flatten_dict(cfg) if isinstance(cfg, Mapping) else {"config": cfg}
+  cfg = yaml.safe_load(path.read_text()) or {}
+  return flatten_dict(cfg) if isinstance(cfg, Mapping) else {"config": cfg}
 
 
 def _read_json(path) -> dict[str, Any]:
-    path = storage.path(path)
-    if not path.exists():
-        return {}
-    return json.loads(path.read_text())
+  path = storage.path(path)
+  if not path.exists():
+    return {}
+  return json.loads(path.read_text())
 
 
 def _records_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Merge records per step (later keys win), flatten nested dicts, sort by step."""
-    merged: dict[Any, dict[str, Any]] = {}
-    for rec in records:
-        if not isinstance(rec, dict) or rec.get("step") is None:
-            continue
-        merged.setdefault(rec["step"], {}).update(flatten_dict(rec))
-    return [merged[s] for s in sorted(merged)]
+  """Merge records per step (later keys win), flatten nested dicts, sort by step."""
+  merged: dict[Any, dict[str, Any]] = {}
+  for rec in records:
+    if not isinstance(rec, dict) or rec.get("step") is None:
+      continue
+    merged.setdefault(rec["step"], {}).update(flatten_dict(rec))
+  return [merged[s] for s in sorted(merged)]
 
 
 def _list_columns(df: pd.DataFrame) -> list[str]:
-    return [c for c in df.columns if df[c].dtype == object and df[c].map(lambda v: isinstance(v, list)).any()]
+  return [
+    c
+    for c in df.columns
+    if df[c].dtype == object and df[c].map(lambda v: isinstance(v, list)).any()
+  ]
 
 
 def _to_long(df: pd.DataFrame) -> pd.DataFrame:
-    """Per-layer (list-valued) columns of a wide frame -> rows (step, metric, layer, value)."""
-    steps, metrics, layers, values = [], [], [], []
-    for col in _list_columns(df):
-        for step, v in zip(df["step"].tolist(), df[col].tolist()):
-            if not isinstance(v, list):
-                continue
-            steps += [step] * len(v)
-            metrics += [col] * len(v)
-            layers += range(len(v))
-            values += v
-    try:
-        vals = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError):  # nested lists (e.g. matrices per layer)
-        vals = pd.Series(values, dtype=object)
-    return pd.DataFrame(
-        {
-            "step": np.asarray(steps, dtype=np.int64),
-            "metric": pd.Series(metrics, dtype="str"),
-            "layer": np.asarray(layers, dtype=np.int64),
-            "value": vals,
-        },
-        columns=LONG_COLUMNS,
-    )
+  """Per-layer (list-valued) columns of a wide frame -> rows (step, metric, layer, value)."""
+  steps, metrics, layers, values = [], [], [], []
+  for col in _list_columns(df):
+    for step, v in zip(df["step"].tolist(), df[col].tolist()):
+      if not isinstance(v, list):
+        continue
+      steps += [step] * len(v)
+      metrics += [col] * len(v)
+      layers += range(len(v))
+      values += v
+  try:
+    vals = np.asarray(values, dtype=np.float64)
+  except (TypeError, ValueError):  # nested lists (e.g. matrices per layer)
+    vals = pd.Series(values, dtype=object)
+  return pd.DataFrame(
+    {
+      "step": np.asarray(steps, dtype=np.int64),
+      "metric": pd.Series(metrics, dtype="str"),
+      "layer": np.asarray(layers, dtype=np.int64),
+      "value": vals,
+    },
+    columns=LONG_COLUMNS,
+  )
 
 
 def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
-    """Metrics of one run as a DataFrame.
+  """Metrics of one run as a DataFrame.
 
-    ``long=False``: one row per logged step (sorted), scalar metrics as columns, per-layer
-    metrics as list-valued (object) columns, nested dicts as dotted columns.
-    ``long=True``: only the per-layer metrics, one row per (step, metric, layer) with a
-    float ``value`` column. Either way ``df.attrs`` holds ``config`` (flattened
-    ``config.yaml``, ``{}`` if missing), ``summary`` (``summary.json``) and ``run_dir``.
-    """
-    run_dir = storage.path(run_dir)
-    path = run_dir / "metrics.jsonl"
-    rows = _records_by_step(read_jsonl(path)) if path.exists() else []
-    df = pd.DataFrame(rows) if rows else pd.DataFrame({"step": pd.Series([], dtype=np.int64)})
-    df = df[["step"] + [c for c in df.columns if c != "step"]]
-    if long:
-        df = _to_long(df)
-    df.attrs = {"config": _read_config(run_dir), "summary": _read_json(run_dir / "summary.json"), "run_dir": str(run_dir)}
-    return df
+  ``long=False``: one row per logged step (sorted), scalar metrics as columns, per-layer
+  metrics as list-valued (object) columns, nested dicts as dotted columns.
+  ``long=True``: only the per-layer metrics, one row per (step, metric, layer) with a
+  float ``value`` column. Either way ``df.attrs`` holds ``config`` (flattened
+  ``config.yaml``, ``{}`` if missing), ``summary`` (``summary.json``) and ``run_dir``.
+  """
+  run_dir = storage.path(run_dir)
+  path = run_dir / "metrics.jsonl"
+  rows = _records_by_step(read_jsonl(path)) if path.exists() else []
+  df = pd.DataFrame(rows) if rows else pd.DataFrame({"step": pd.Series([], dtype=np.int64)})
+  df = df[["step"] + [c for c in df.columns if c != "step"]]
+  if long:
+    df = _to_long(df)
+  df.attrs = {
+    "config": _read_config(run_dir),
+    "summary": _read_json(run_dir / "summary.json"),
+    "run_dir": str(run_dir),
+  }
+  return df
 
 
 def load_events(run_dir: str | os.PathLike) -> pd.DataFrame:
-    """Events of one run (``events.jsonl``): columns step, kind, value, threshold (+extras),
-    in file order; an empty frame with those columns when there are none."""
-    path = storage.path(run_dir) / "events.jsonl"
-    records = read_jsonl(path) if path.exists() else []
-    df = pd.DataFrame(records)
-    for c in EVENT_COLUMNS:
-        if c not in df.columns:
-            df[c] = pd.Series(dtype=np.float64 if c in ("value", "threshold") else object)
-    return df[EVENT_COLUMNS + [c for c in df.columns if c not in EVENT_COLUMNS]]
+  """Events of one run (``events.jsonl``): columns step, kind, value, threshold (+extras),
+  in file order; an empty frame with those columns when there are none."""
+  path = storage.path(run_dir) / "events.jsonl"
+  records = read_jsonl(path) if path.exists() else []
+  df = pd.DataFrame(records)
+  for c in EVENT_COLUMNS:
+    if c not in df.columns:
+      df[c] = pd.Series(dtype=np.float64 if c in ("value", "threshold") else object)
+  return df[EVENT_COLUMNS + [c for c in df.columns if c not in EVENT_COLUMNS]]
 
 
 # =========================================================================== sweeps
 def _manifest_runs(sweep_dir) -> dict[str, dict[str, Any]]:
-    manifest = _read_json(sweep_dir / "manifest.json")
-    if not manifest:
-        raise FileNotFoundError(f"no manifest.json in {sweep_dir}")
-    runs = manifest.get("runs", {})
-    if isinstance(runs, list):  # tolerate [{"name": ..., ...}]
-        runs = {r["name"]: r for r in runs}
-    return runs
+  manifest = _read_json(sweep_dir / "manifest.json")
+  if not manifest:
+    raise FileNotFoundError(f"no manifest.json in {sweep_dir}")
+  runs = manifest.get("runs", {})
+  if isinstance(runs, list):  # tolerate [{"name": ..., ...}]
+    runs = {r["name"]: r for r in runs}
+  return runs
 
 
 def _axis_names(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
-    axes: dict[str, None] = {}
-    for info in runs.values():
-        for k in info.get("overrides") or {}:
-            axes[k] = None
-    return list(axes)
+  axes: dict[str, None] = {}
+  for info in runs.values():
+    for k in info.get("overrides") or {}:
+      axes[k] = None
+  return list(axes)
 
 
-def _put_axes(df: pd.DataFrame, name: str, overrides: Mapping[str, Any], axis_cols: Mapping[str, str]) -> pd.DataFrame:
-    front: dict[str, Any] = {"run": name}
-    for key, col in axis_cols.items():
-        v = overrides.get(key)
-        front[col] = [v] * len(df) if isinstance(v, (list, dict, tuple)) else v
-    head = pd.DataFrame(front, index=df.index) if len(df) else pd.DataFrame({c: [] for c in front})
-    return pd.concat([head, df.drop(columns=[c for c in front if c in df.columns])], axis=1)
+def _put_axes(
+  df: pd.DataFrame, name: str, overrides: Mapping[str, Any], axis_cols: Mapping[str, str]
+) -> pd.DataFrame:
+  front: dict[str, Any] = {"run": name}
+  for key, col in axis_cols.items():
+    v = overrides.get(key)
+    front[col] = [v] * len(df) if isinstance(v, (list, dict, tuple)) else v
+  head = pd.DataFrame(front, index=df.index) if len(df) else pd.DataFrame({c: [] for c in front})
+  return pd.concat([head, df.drop(columns=[c for c in front if c in df.columns])], axis=1)
 
 
 def load_sweep(sweep_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
-    """All runs of a sweep in one frame: :func:`load_run` of each run in the manifest, with a
-    ``run`` column and one column per override key (the sweep axes) in front.
+  """All runs of a sweep in one frame: :func:`load_run` of each run in the manifest, with a
+  ``run`` column and one column per override key (the sweep axes) in front.
 
-    Runs whose ``metrics.jsonl`` is missing or empty are skipped. An override key that is
-    also a metric name (say ``lr``) gets the column ``override.<key>``; ``df.attrs["axes"]``
-    maps override keys to their columns and ``df.attrs["runs"]`` holds each loaded run's
-    ``config``/``summary``/``status``.
-    """
-    sweep_dir = storage.path(sweep_dir)
-    runs = _manifest_runs(sweep_dir)
-    frames: dict[str, pd.DataFrame] = {}
-    for name, info in runs.items():
-        rdir = sweep_dir / (info.get("dir") or name)
-        if not (rdir / "metrics.jsonl").exists():
-            continue
-        df = load_run(rdir, long=long)
-        if len(df):
-            frames[name] = df
-    taken = {"run"} | {c for df in frames.values() for c in df.columns}
-    axis_cols = {k: (f"override.{k}" if k in taken else k) for k in _axis_names(runs)}
-    parts, meta = [], {}
-    for name, df in frames.items():
-        meta[name] = {**df.attrs, "status": runs[name].get("status")}
-        parts.append(_put_axes(df, name, runs[name].get("overrides") or {}, axis_cols))
-    if parts:
-        out = pd.concat(parts, ignore_index=True)
-    else:
-        base = LONG_COLUMNS if long else ["step"]
-        out = pd.DataFrame(columns=["run", *axis_cols.values(), *base])
-    out.attrs = {"axes": axis_cols, "runs": meta, "sweep_dir": str(sweep_dir)}
-    return out
+  Runs whose ``metrics.jsonl`` is missing or empty are skipped. An override key that is
+  also a metric name (say ``lr``) gets the column ``override.<key>``; ``df.attrs["axes"]``
+  maps override keys to their columns and ``df.attrs["runs"]`` holds each loaded run's
+  ``config``/``summary``/``status``.
+  """
+  sweep_dir = storage.path(sweep_dir)
+  runs = _manifest_runs(sweep_dir)
+  frames: dict[str, pd.DataFrame] = {}
+  for name, info in runs.items():
+    rdir = sweep_dir / (info.get("dir") or name)
+    if not (rdir / "metrics.jsonl").exists():
+      continue
+    df = load_run(rdir, long=long)
+    if len(df):
+      frames[name] = df
+  taken = {"run"} | {c for df in frames.values() for c in df.columns}
+  axis_cols = {k: (f"override.{k}" if k in taken else k) for k in _axis_names(runs)}
+  parts, meta = [], {}
+  for name, df in frames.items():
+    meta[name] = {**df.attrs, "status": runs[name].get("status")}
+    parts.append(_put_axes(df, name, runs[name].get("overrides") or {}, axis_cols))
+  if parts:
+    out = pd.concat(parts, ignore_index=True)
+  else:
+    base = LONG_COLUMNS if long else ["step"]
+    out = pd.DataFrame(columns=["run", *axis_cols.values(), *base])
+  out.attrs = {"axes": axis_cols, "runs": meta, "sweep_dir": str(sweep_dir)}
+  return out
 
 
 def load_summaries(sweep_dir: str | os.PathLike) -> pd.DataFrame:
-    """One row per run in the manifest: ``run``, ``status``, the override columns, then the
-    flattened ``summary.json`` fields (missing summary -> NaN). A summary key that clashes
-    with those front columns is prefixed ``summary.``."""
-    sweep_dir = storage.path(sweep_dir)
-    runs = _manifest_runs(sweep_dir)
-    axes = _axis_names(runs)
-    front = ["run", "status", *axes]
-    rows = []
-    for name, info in runs.items():
-        overrides = info.get("overrides") or {}
-        row: dict[str, Any] = {"run": name, "status": info.get("status")}
-        row.update({k: overrides.get(k) for k in axes})
-        summary = flatten_dict(_read_json(sweep_dir / (info.get("dir") or name) / "summary.json"))
-        row.update({(f"summary.{k}" if k in front else k): v for k, v in summary.items()})
-        rows.append(row)
-    df = pd.DataFrame(rows) if rows else pd.DataFrame(columns=front)
-    df.attrs = {"axes": {k: k for k in axes}, "sweep_dir": str(sweep_dir)}
-    return df
+  """One row per run in the manifest: ``run``, ``status``, the override columns, then the
+  flattened ``summary.json`` fields (missing summary -> NaN). A summary key that clashes
+  with those front columns is prefixed ``summary.``."""
+  sweep_dir = storage.path(sweep_dir)
+  runs = _manifest_runs(sweep_dir)
+  axes = _axis_names(runs)
+  front = ["run", "status", *axes]
+  rows = []
+  for name, info in runs.items():
+    overrides = info.get("overrides") or {}
+    row: dict[str, Any] = {"run": name, "status": info.get("status")}
+    row.update({k: overrides.get(k) for k in axes})
+    summary = flatten_dict(_read_json(sweep_dir / (info.get("dir") or name) / "summary.json"))
+    row.update({(f"summary.{k}" if k in front else k): v for k, v in summary.items()})
+    rows.append(row)
+  df = pd.DataFrame(rows) if rows else pd.DataFrame(columns=front)
+  df.attrs = {"axes": {k: k for k in axes}, "sweep_dir": str(sweep_dir)}
+  return df

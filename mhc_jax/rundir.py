@@ -14,6 +14,7 @@ and ``summary.json`` (docs/interfaces.md), local or on an object store (``gs://.
 - :func:`checkpoint_steps`, :func:`read_summary`, :func:`write_summary` (atomic): what the
   trainer, the sweep runner and ``mhc-jax eval`` read of a run.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -29,13 +30,22 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "ch
 LOCK_NAME = ".lock"
 FINISHED = ("done", "halted", "diverged")  # a resume of these changes nothing
 
-__all__ = ["RUN_FILES", "default_run_dir", "check", "holds_run", "checkpoint_steps",
-           "read_summary", "write_summary", "Lock"]
+__all__ = [
+  "RUN_FILES",
+  "default_run_dir",
+  "check",
+  "holds_run",
+  "checkpoint_steps",
+  "read_summary",
+  "write_summary",
+  "Lock",
+]
 
 
 def default_run_dir(cfg) -> storage.Path:
   """``runs/<name>/<timestamp>-<config hash>``: never an existing directory."""
   from mhc_jax.train.config import config_hash
+
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
   base = storage.path("runs") / cfg.name / f"{stamp}-{config_hash(cfg)}"
   p, i = base, 1
@@ -59,8 +69,10 @@ def check(run_dir, resume: bool, flag: str = "--out") -> None:
     if not (run_dir / "config.yaml").exists():
       raise UsageError(f"--resume: {run_dir} is not a run directory (no config.yaml)")
   elif run_dir.exists() and any(p.name != LOCK_NAME for p in run_dir.iterdir()):
-    raise UsageError(f"{flag}: {run_dir} already holds a run; pass --resume to continue it or "
-                     f"choose another directory (runs are never overwritten)")
+    raise UsageError(
+      f"{flag}: {run_dir} already holds a run; pass --resume to continue it or "
+      f"choose another directory (runs are never overwritten)"
+    )
 
 
 def checkpoint_steps(run_dir) -> set[int]:
@@ -83,6 +95,7 @@ def write_summary(run_dir, summary: dict) -> None:
 
 # ------------------------------------------------------------------------------------------
 # Locking.
+
 
 def _pid_alive(pid: int) -> bool:
   try:
@@ -112,8 +125,9 @@ class Lock:
   def __init__(self, run_dir):
     self.run_dir = storage.path(run_dir)
     self.file = self.run_dir / LOCK_NAME
-    self.key = os.path.abspath(os.fspath(run_dir)) if storage.is_local(run_dir) \
-        else os.fspath(run_dir)
+    self.key = (
+      os.path.abspath(os.fspath(run_dir)) if storage.is_local(run_dir) else os.fspath(run_dir)
+    )
     self._fd = None
     self._depth = 0
 
@@ -132,11 +146,14 @@ class Lock:
     return self
 
   def _message(self, holder: dict | None) -> str:
-    return (f"--out: {self.run_dir} is in use by {_describe(holder)}; wait for it to finish or "
-            f"stop it (a killed trainer's lock is released with it)")
+    return (
+      f"--out: {self.run_dir} is in use by {_describe(holder)}; wait for it to finish or "
+      f"stop it (a killed trainer's lock is released with it)"
+    )
 
   def _acquire_local(self, info: dict) -> None:
     import fcntl
+
     self.run_dir.mkdir(parents=True, exist_ok=True)
     path = os.fspath(self.file)
     while True:
@@ -164,8 +181,9 @@ class Lock:
 
   def _acquire_remote(self, info: dict) -> None:
     holder = storage.read_json(self.file)
-    if holder is not None and not (holder.get("host") == info["host"]
-                                   and not _pid_alive(int(holder.get("pid", -1)))):
+    if holder is not None and not (
+      holder.get("host") == info["host"] and not _pid_alive(int(holder.get("pid", -1)))
+    ):
       raise RunLocked(self._message(holder))
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.file.write_text(json.dumps(info))

@@ -30,6 +30,7 @@ Gradients, chosen by `grad`:
   This is the gradient of the converged projection; it matches "unroll" as `iters` grows.
   Only reverse mode is defined for "implicit" (jax.grad / jacrev / vjp, not jvp / jacfwd).
 """
+
 import functools
 import numbers
 
@@ -71,10 +72,13 @@ def _implicit_bwd(iters, p, g):
   rhs = jnp.concatenate([pg.sum(-1), pg.sum(-2)], axis=-1)  # [..., 2n]
   # A = [[diag(P1), P], [P^T, diag(P^T 1)]] from the actual P, so v = [1; -1] is exactly null.
   eye = jnp.eye(n, dtype=p.dtype)
-  a = jnp.concatenate([
+  a = jnp.concatenate(
+    [
       jnp.concatenate([p.sum(-1)[..., None] * eye, p], axis=-1),
       jnp.concatenate([jnp.swapaxes(p, -1, -2), p.sum(-2)[..., None] * eye], axis=-1),
-  ], axis=-2)
+    ],
+    axis=-2,
+  )
   v = jnp.concatenate([jnp.ones(n, p.dtype), -jnp.ones(n, p.dtype)])
   # The ridge keeps the solve finite when entries of P underflow (very peaked logits).
   a = a + jnp.outer(v, v) + _RIDGE_EPS * jnp.finfo(p.dtype).eps * jnp.eye(2 * n, dtype=p.dtype)

@@ -20,6 +20,7 @@ Conventions
   round-off jitter (e.g. a loss stuck at ln V) does not spike on every ulp.
 * :class:`DivergenceRule` (llm-foundry ``KillLossSpike`` style): see its docstring.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,291 +30,297 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 __all__ = [
-    "RollingSpikeDetector",
-    "SpikeMonitor",
-    "DivergenceRule",
-    "spike_mask",
-    "lr_sensitivity",
+  "RollingSpikeDetector",
+  "SpikeMonitor",
+  "DivergenceRule",
+  "spike_mask",
+  "lr_sensitivity",
 ]
 
 
 def _scalar(value) -> float:
-    """float() of a Python/numpy/jax scalar (or size-1 array)."""
-    return float(np.asarray(value, dtype=np.float64).reshape(()))
+  """float() of a Python/numpy/jax scalar (or size-1 array)."""
+  return float(np.asarray(value, dtype=np.float64).reshape(()))
 
 
 class RollingSpikeDetector:
-    """Streaming ``mean + threshold * std`` spike detector over a trailing window."""
+  """Streaming ``mean + threshold * std`` spike detector over a trailing window."""
 
-    def __init__(
-        self,
-        window: int = 128,
-        threshold: float = 6.0,
-        min_history: int = 32,
-        rel_std_floor: float = 1e-6,
-        add_spikes: bool = False,
-    ):
-        if window < 2:
-            raise ValueError(f"window must be >= 2, got {window}")
-        self.window = int(window)
-        self.threshold = float(threshold)
-        self.min_history = max(2, min(int(min_history), self.window))
-        self.rel_std_floor = float(rel_std_floor)
-        self.add_spikes = bool(add_spikes)
-        self._buf = np.zeros(self.window, dtype=np.float64)  # ring buffer of accepted values
-        self._pos = 0  # next slot to write
-        self._count = 0  # number of valid entries (<= window)
-
-    # ------------------------------------------------------------------ queries
-    def __len__(self) -> int:
-        return self._count
-
-    def threshold_value(self) -> float:
-        """The current bar a value must exceed to be a spike (+inf while warming up)."""
-        if self._count < self.min_history:
-            return math.inf
-        hist = self._buf if self._count == self.window else self._buf[: self._count]
-        mean = float(hist.mean())
-        std = float(np.sqrt(np.mean(np.square(hist - mean))))
-        std = max(std, self.rel_std_floor * abs(mean))
-        return mean + self.threshold * std
-
-    # ------------------------------------------------------------------ update
-    def update(self, value) -> tuple[bool, float]:
-        """Feed one value; returns ``(is_spike, threshold_value)`` (threshold before the value)."""
-        v = _scalar(value)
-        thr = self.threshold_value()
-        if not math.isfinite(v):
-            return True, thr
-        spike = v > thr
-        if not spike or self.add_spikes:
-            self._buf[self._pos] = v
-            self._pos = (self._pos + 1) % self.window
-            self._count = min(self._count + 1, self.window)
-        return spike, thr
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "window": self.window,
-            "threshold": self.threshold,
-            "min_history": self.min_history,
-            "rel_std_floor": self.rel_std_floor,
-            "add_spikes": self.add_spikes,
-            "buf": [float(x) for x in self._buf],
-            "pos": self._pos,
-            "count": self._count,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore settings and history exactly (the ring layout too, for bit-identical sums)."""
-        self.window = int(state["window"])
-        self.threshold = float(state["threshold"])
-        self.min_history = int(state["min_history"])
-        self.rel_std_floor = float(state["rel_std_floor"])
-        self.add_spikes = bool(state["add_spikes"])
-        buf = np.asarray(state["buf"], dtype=np.float64)
-        if buf.shape != (self.window,):
-            raise ValueError(f"buffer of length {buf.shape} does not match window {self.window}")
-        self._buf = buf.copy()
-        self._pos = int(state["pos"])
-        self._count = int(state["count"])
-
-    @classmethod
-    def from_state_dict(cls, state: Mapping[str, Any]) -> "RollingSpikeDetector":
-        det = cls(window=int(state["window"]))
-        det.load_state_dict(state)
-        return det
-
-
-class SpikeMonitor:
-    """Loss and grad-norm spike detection plus a running spike score.
-
-    ``update(step, loss, grad_norm=None) -> (events, spike_score)``: ``events`` is a list of
-    event dicts in the docs/interfaces.md format (kinds ``spike/loss``, ``spike/grad``) for the
-    finite values above their threshold. A non-finite step is not a spike (the trainer logs one
-    ``nonfinite`` event for it): feed it to :meth:`skip`, which leaves the detectors' histories
-    alone but counts the step as unstable in the score. ``spike_score`` is the fraction of
-    unstable steps (a spike or non-finite) among the last ``score_window`` steps (among all
-    steps so far while fewer); ``total_spikes`` counts the steps with a spike.
-    """
-
-    def __init__(
-        self,
-        window: int = 128,
-        threshold: float = 6.0,
-        score_window: int = 1000,
-        min_history: int = 32,
-        rel_std_floor: float = 1e-6,
-    ):
-        kw = dict(window=window, threshold=threshold, min_history=min_history, rel_std_floor=rel_std_floor)
-        self.loss = RollingSpikeDetector(**kw)
-        self.grad = RollingSpikeDetector(**kw)
-        self.score_window = int(score_window)
-        self._flags: deque[int] = deque(maxlen=self.score_window)
-        self.total_steps = 0
-        self.total_spikes = 0
-
-    @property
-    def spike_score(self) -> float:
-        return sum(self._flags) / len(self._flags) if self._flags else 0.0
-
-    def update(self, step: int, loss, grad_norm=None) -> tuple[list[dict[str, Any]], float]:
-        events: list[dict[str, Any]] = []
-        for kind, det, value in (("spike/loss", self.loss, loss), ("spike/grad", self.grad, grad_norm)):
-            if value is None:
-                continue
-            v = _scalar(value)
-            if not math.isfinite(v):
-                continue
-            is_spike, thr = det.update(v)
-            if is_spike:
-                events.append({"step": int(step), "kind": kind, "value": v, "threshold": thr})
-        spiked = int(bool(events))
-        self._flags.append(spiked)
-        self.total_steps += 1
-        self.total_spikes += spiked
-        return events, self.spike_score
-
-    def skip(self, step: int) -> tuple[list[dict[str, Any]], float]:
-        """A non-finite step: no spike event, no history, an unstable step in the score."""
-        self._flags.append(1)
-        self.total_steps += 1
-        return [], self.spike_score
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "loss": self.loss.state_dict(),
-            "grad": self.grad.state_dict(),
-            "score_window": self.score_window,
-            "flags": list(self._flags),
-            "total_steps": self.total_steps,
-            "total_spikes": self.total_spikes,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loss.load_state_dict(state["loss"])
-        self.grad.load_state_dict(state["grad"])
-        self.score_window = int(state["score_window"])
-        self._flags = deque((int(f) for f in state["flags"]), maxlen=self.score_window)
-        self.total_steps = int(state["total_steps"])
-        self.total_spikes = int(state["total_spikes"])
-
-
-class DivergenceRule:
-    """Persistent divergence of the training loss (llm-foundry ``KillLossSpike`` style).
-
-    ``update(loss) -> bool`` returns True once the run has diverged (and stays True: the
-    decision is latched; ``reason`` and ``threshold`` say why). A step is *bad* if
-
-    * ``loss > factor * mean(last window losses)`` — only once a full window of previous
-      losses exists, as in llm-foundry; every finite loss enters the window, bad or not; or
-    * ``loss > initial loss`` (the first loss fed) after ``warmup`` updates
-      (default ``warmup = window``: a loss still above its starting value after the first
-      window of steps is going the wrong way).
-
-    * the loss is non-finite (a step the trainer skipped or halted on); it does not enter
-      the window.
-
-    Divergence is declared after ``patience`` bad steps in a row; ``reason`` is the last
-    step's (``"ratio"``, ``"above_init"`` or ``"nonfinite"``). So a run whose every update is
-    skipped as non-finite diverges, while a single skipped step does not.
-    """
-
-    def __init__(self, factor: float = 2.0, window: int = 100, patience: int = 5, warmup: int | None = None):
-        self.factor = float(factor)
-        self.window = int(window)
-        self.patience = int(patience)
-        self.warmup = self.window if warmup is None else int(warmup)
-        self._hist: deque[float] = deque(maxlen=self.window)
-        self.initial: float | None = None
-        self.steps = 0
-        self.streak = 0
-        self.diverged = False
-        self.reason: str | None = None
-        self.threshold = math.nan
-
-    def update(self, loss) -> bool:
-        if self.diverged:
-            return True
-        v = _scalar(loss)
-        self.steps += 1
-        if not math.isfinite(v):
-            self.streak += 1
-            if self.streak >= self.patience:
-                self.diverged, self.reason, self.threshold = True, "nonfinite", math.nan
-            return self.diverged
-        if self.initial is None:
-            self.initial = v
-        reason, thr = None, math.nan
-        if len(self._hist) == self.window:
-            bar = self.factor * float(np.mean(np.asarray(self._hist, dtype=np.float64)))
-            if v > bar:
-                reason, thr = "ratio", bar
-        if reason is None and self.steps > self.warmup and v > self.initial:
-            reason, thr = "above_init", self.initial
-        self.streak = self.streak + 1 if reason else 0
-        self._hist.append(v)
-        if self.streak >= self.patience:
-            self.diverged, self.reason, self.threshold = True, reason, thr
-        return self.diverged
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "factor": self.factor,
-            "window": self.window,
-            "patience": self.patience,
-            "warmup": self.warmup,
-            "hist": list(self._hist),
-            "initial": self.initial,
-            "steps": self.steps,
-            "streak": self.streak,
-            "diverged": self.diverged,
-            "reason": self.reason,
-            "threshold": self.threshold,
-        }
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.factor = float(state["factor"])
-        self.window = int(state["window"])
-        self.patience = int(state["patience"])
-        self.warmup = int(state["warmup"])
-        self._hist = deque((float(x) for x in state["hist"]), maxlen=self.window)
-        self.initial = None if state["initial"] is None else float(state["initial"])
-        self.steps = int(state["steps"])
-        self.streak = int(state["streak"])
-        self.diverged = bool(state["diverged"])
-        self.reason = state["reason"]
-        self.threshold = float(state["threshold"])
-
-
-# ============================================================================ offline
-def spike_mask(
-    series: Sequence[float] | np.ndarray,
+  def __init__(
+    self,
     window: int = 128,
     threshold: float = 6.0,
     min_history: int = 32,
     rel_std_floor: float = 1e-6,
     add_spikes: bool = False,
+  ):
+    if window < 2:
+      raise ValueError(f"window must be >= 2, got {window}")
+    self.window = int(window)
+    self.threshold = float(threshold)
+    self.min_history = max(2, min(int(min_history), self.window))
+    self.rel_std_floor = float(rel_std_floor)
+    self.add_spikes = bool(add_spikes)
+    self._buf = np.zeros(self.window, dtype=np.float64)  # ring buffer of accepted values
+    self._pos = 0  # next slot to write
+    self._count = 0  # number of valid entries (<= window)
+
+  # ------------------------------------------------------------------ queries
+  def __len__(self) -> int:
+    return self._count
+
+  def threshold_value(self) -> float:
+    """The current bar a value must exceed to be a spike (+inf while warming up)."""
+    if self._count < self.min_history:
+      return math.inf
+    hist = self._buf if self._count == self.window else self._buf[: self._count]
+    mean = float(hist.mean())
+    std = float(np.sqrt(np.mean(np.square(hist - mean))))
+    std = max(std, self.rel_std_floor * abs(mean))
+    return mean + self.threshold * std
+
+  # ------------------------------------------------------------------ update
+  def update(self, value) -> tuple[bool, float]:
+    """Feed one value; returns ``(is_spike, threshold_value)`` (threshold before the value)."""
+    v = _scalar(value)
+    thr = self.threshold_value()
+    if not math.isfinite(v):
+      return True, thr
+    spike = v > thr
+    if not spike or self.add_spikes:
+      self._buf[self._pos] = v
+      self._pos = (self._pos + 1) % self.window
+      self._count = min(self._count + 1, self.window)
+    return spike, thr
+
+  # ------------------------------------------------------------------ state
+  def state_dict(self) -> dict[str, Any]:
+    return {
+      "window": self.window,
+      "threshold": self.threshold,
+      "min_history": self.min_history,
+      "rel_std_floor": self.rel_std_floor,
+      "add_spikes": self.add_spikes,
+      "buf": [float(x) for x in self._buf],
+      "pos": self._pos,
+      "count": self._count,
+    }
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    """Restore settings and history exactly (the ring layout too, for bit-identical sums)."""
+    self.window = int(state["window"])
+    self.threshold = float(state["threshold"])
+    self.min_history = int(state["min_history"])
+    self.rel_std_floor = float(state["rel_std_floor"])
+    self.add_spikes = bool(state["add_spikes"])
+    buf = np.asarray(state["buf"], dtype=np.float64)
+    if buf.shape != (self.window,):
+      raise ValueError(f"buffer of length {buf.shape} does not match window {self.window}")
+    self._buf = buf.copy()
+    self._pos = int(state["pos"])
+    self._count = int(state["count"])
+
+  @classmethod
+  def from_state_dict(cls, state: Mapping[str, Any]) -> "RollingSpikeDetector":
+    det = cls(window=int(state["window"]))
+    det.load_state_dict(state)
+    return det
+
+
+class SpikeMonitor:
+  """Loss and grad-norm spike detection plus a running spike score.
+
+  ``update(step, loss, grad_norm=None) -> (events, spike_score)``: ``events`` is a list of
+  event dicts in the docs/interfaces.md format (kinds ``spike/loss``, ``spike/grad``) for the
+  finite values above their threshold. A non-finite step is not a spike (the trainer logs one
+  ``nonfinite`` event for it): feed it to :meth:`skip`, which leaves the detectors' histories
+  alone but counts the step as unstable in the score. ``spike_score`` is the fraction of
+  unstable steps (a spike or non-finite) among the last ``score_window`` steps (among all
+  steps so far while fewer); ``total_spikes`` counts the steps with a spike.
+  """
+
+  def __init__(
+    self,
+    window: int = 128,
+    threshold: float = 6.0,
+    score_window: int = 1000,
+    min_history: int = 32,
+    rel_std_floor: float = 1e-6,
+  ):
+    kw = dict(
+      window=window, threshold=threshold, min_history=min_history, rel_std_floor=rel_std_floor
+    )
+    self.loss = RollingSpikeDetector(**kw)
+    self.grad = RollingSpikeDetector(**kw)
+    self.score_window = int(score_window)
+    self._flags: deque[int] = deque(maxlen=self.score_window)
+    self.total_steps = 0
+    self.total_spikes = 0
+
+  @property
+  def spike_score(self) -> float:
+    return sum(self._flags) / len(self._flags) if self._flags else 0.0
+
+  def update(self, step: int, loss, grad_norm=None) -> tuple[list[dict[str, Any]], float]:
+    events: list[dict[str, Any]] = []
+    for kind, det, value in (("spike/loss", self.loss, loss), ("spike/grad", self.grad, grad_norm)):
+      if value is None:
+        continue
+      v = _scalar(value)
+      if not math.isfinite(v):
+        continue
+      is_spike, thr = det.update(v)
+      if is_spike:
+        events.append({"step": int(step), "kind": kind, "value": v, "threshold": thr})
+    spiked = int(bool(events))
+    self._flags.append(spiked)
+    self.total_steps += 1
+    self.total_spikes += spiked
+    return events, self.spike_score
+
+  def skip(self, step: int) -> tuple[list[dict[str, Any]], float]:
+    """A non-finite step: no spike event, no history, an unstable step in the score."""
+    self._flags.append(1)
+    self.total_steps += 1
+    return [], self.spike_score
+
+  def state_dict(self) -> dict[str, Any]:
+    return {
+      "loss": self.loss.state_dict(),
+      "grad": self.grad.state_dict(),
+      "score_window": self.score_window,
+      "flags": list(self._flags),
+      "total_steps": self.total_steps,
+      "total_spikes": self.total_spikes,
+    }
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    self.loss.load_state_dict(state["loss"])
+    self.grad.load_state_dict(state["grad"])
+    self.score_window = int(state["score_window"])
+    self._flags = deque((int(f) for f in state["flags"]), maxlen=self.score_window)
+    self.total_steps = int(state["total_steps"])
+    self.total_spikes = int(state["total_spikes"])
+
+
+class DivergenceRule:
+  """Persistent divergence of the training loss (llm-foundry ``KillLossSpike`` style).
+
+  ``update(loss) -> bool`` returns True once the run has diverged (and stays True: the
+  decision is latched; ``reason`` and ``threshold`` say why). A step is *bad* if
+
+  * ``loss > factor * mean(last window losses)`` — only once a full window of previous
+    losses exists, as in llm-foundry; every finite loss enters the window, bad or not; or
+  * ``loss > initial loss`` (the first loss fed) after ``warmup`` updates
+    (default ``warmup = window``: a loss still above its starting value after the first
+    window of steps is going the wrong way).
+
+  * the loss is non-finite (a step the trainer skipped or halted on); it does not enter
+    the window.
+
+  Divergence is declared after ``patience`` bad steps in a row; ``reason`` is the last
+  step's (``"ratio"``, ``"above_init"`` or ``"nonfinite"``). So a run whose every update is
+  skipped as non-finite diverges, while a single skipped step does not.
+  """
+
+  def __init__(
+    self, factor: float = 2.0, window: int = 100, patience: int = 5, warmup: int | None = None
+  ):
+    self.factor = float(factor)
+    self.window = int(window)
+    self.patience = int(patience)
+    self.warmup = self.window if warmup is None else int(warmup)
+    self._hist: deque[float] = deque(maxlen=self.window)
+    self.initial: float | None = None
+    self.steps = 0
+    self.streak = 0
+    self.diverged = False
+    self.reason: str | None = None
+    self.threshold = math.nan
+
+  def update(self, loss) -> bool:
+    if self.diverged:
+      return True
+    v = _scalar(loss)
+    self.steps += 1
+    if not math.isfinite(v):
+      self.streak += 1
+      if self.streak >= self.patience:
+        self.diverged, self.reason, self.threshold = True, "nonfinite", math.nan
+      return self.diverged
+    if self.initial is None:
+      self.initial = v
+    reason, thr = None, math.nan
+    if len(self._hist) == self.window:
+      bar = self.factor * float(np.mean(np.asarray(self._hist, dtype=np.float64)))
+      if v > bar:
+        reason, thr = "ratio", bar
+    if reason is None and self.steps > self.warmup and v > self.initial:
+      reason, thr = "above_init", self.initial
+    self.streak = self.streak + 1 if reason else 0
+    self._hist.append(v)
+    if self.streak >= self.patience:
+      self.diverged, self.reason, self.threshold = True, reason, thr
+    return self.diverged
+
+  def state_dict(self) -> dict[str, Any]:
+    return {
+      "factor": self.factor,
+      "window": self.window,
+      "patience": self.patience,
+      "warmup": self.warmup,
+      "hist": list(self._hist),
+      "initial": self.initial,
+      "steps": self.steps,
+      "streak": self.streak,
+      "diverged": self.diverged,
+      "reason": self.reason,
+      "threshold": self.threshold,
+    }
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    self.factor = float(state["factor"])
+    self.window = int(state["window"])
+    self.patience = int(state["patience"])
+    self.warmup = int(state["warmup"])
+    self._hist = deque((float(x) for x in state["hist"]), maxlen=self.window)
+    self.initial = None if state["initial"] is None else float(state["initial"])
+    self.steps = int(state["steps"])
+    self.streak = int(state["streak"])
+    self.diverged = bool(state["diverged"])
+    self.reason = state["reason"]
+    self.threshold = float(state["threshold"])
+
+
+# ============================================================================ offline
+def spike_mask(
+  series: Sequence[float] | np.ndarray,
+  window: int = 128,
+  threshold: float = 6.0,
+  min_history: int = 32,
+  rel_std_floor: float = 1e-6,
+  add_spikes: bool = False,
 ) -> np.ndarray:
-    """Boolean spike mask of a whole series: exactly what streaming the detector gives."""
-    det = RollingSpikeDetector(window, threshold, min_history, rel_std_floor, add_spikes)
-    x = np.asarray(series, dtype=np.float64).ravel()
-    return np.fromiter((det.update(v)[0] for v in x), dtype=bool, count=x.size)
+  """Boolean spike mask of a whole series: exactly what streaming the detector gives."""
+  det = RollingSpikeDetector(window, threshold, min_history, rel_std_floor, add_spikes)
+  x = np.asarray(series, dtype=np.float64).ravel()
+  return np.fromiter((det.update(v)[0] for v in x), dtype=bool, count=x.size)
 
 
-def lr_sensitivity(losses_by_lr: Mapping[float, float] | Sequence[float], loss_init: float) -> float:
-    """LR sensitivity (Wortsman et al.): ``mean_eta min(loss(eta), loss_init) - min_eta loss(eta)``.
+def lr_sensitivity(
+  losses_by_lr: Mapping[float, float] | Sequence[float], loss_init: float
+) -> float:
+  """LR sensitivity (Wortsman et al.): ``mean_eta min(loss(eta), loss_init) - min_eta loss(eta)``.
 
-    ``losses_by_lr``: final loss per learning rate on the grid ({lr: loss} or a sequence).
-    A non-finite loss (diverged run) counts as ``loss_init``. The minimum is taken over the
-    capped losses, so the result is >= 0 (it only differs from the raw minimum when no LR
-    beats ``loss_init``, where it gives 0).
-    """
-    values = list(losses_by_lr.values()) if isinstance(losses_by_lr, Mapping) else list(losses_by_lr)
-    if not values:
-        raise ValueError("lr_sensitivity: empty LR grid")
-    loss = np.asarray([_scalar(v) for v in values], dtype=np.float64)
-    init = _scalar(loss_init)
-    capped = np.where(np.isfinite(loss), np.minimum(loss, init), init)
-    return float(np.mean(capped - capped.min()))
+  ``losses_by_lr``: final loss per learning rate on the grid ({lr: loss} or a sequence).
+  A non-finite loss (diverged run) counts as ``loss_init``. The minimum is taken over the
+  capped losses, so the result is >= 0 (it only differs from the raw minimum when no LR
+  beats ``loss_init``, where it gives 0).
+  """
+  values = list(losses_by_lr.values()) if isinstance(losses_by_lr, Mapping) else list(losses_by_lr)
+  if not values:
+    raise ValueError("lr_sensitivity: empty LR grid")
+  loss = np.asarray([_scalar(v) for v in values], dtype=np.float64)
+  init = _scalar(loss_init)
+  capped = np.where(np.isfinite(loss), np.minimum(loss, init), init)
+  return float(np.mean(capped - capped.min()))

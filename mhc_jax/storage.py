@@ -8,6 +8,7 @@ folder. :func:`path` makes one; :func:`is_local` tells the two kinds apart.
 locally it writes a temporary file in the same directory, fsyncs it and renames it over the
 target; on an object store one upload replaces the object whole, which is atomic already.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,16 @@ from etils import epath
 
 Path = epath.Path
 
-__all__ = ["Path", "path", "is_local", "json_default", "write_bytes_atomic", "write_text_atomic",
-           "write_json_atomic", "read_json"]
+__all__ = [
+  "Path",
+  "path",
+  "is_local",
+  "json_default",
+  "write_bytes_atomic",
+  "write_text_atomic",
+  "write_json_atomic",
+  "read_json",
+]
 
 
 def path(p: str | os.PathLike) -> epath.Path:

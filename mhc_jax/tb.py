@@ -3,6 +3,7 @@
 Scalars go under their own name; per-layer lists become ``name/layer_00`` ... so TensorBoard's
 scalar view shows one curve per layer. Enabled by ``train.tensorboard: true``.
 """
+
 from __future__ import annotations
 
 import math

@@ -11,6 +11,7 @@ over every registered name. Each check raises ``AssertionError`` (via chex) on a
 - ``check_stream_separation``: a multi-stream mixer's streams differ after a few optimiser steps
   (identical streams make any stream mixing a no-op: a single-stream residual in disguise).
 """
+
 from __future__ import annotations
 
 import chex
@@ -62,8 +63,9 @@ def setup(name: str, n: int | None = None, dtype=jnp.float32, seed: int = 0, **o
   state = mixer.expand(jax.random.normal(k_x, (B, T, C)).astype(dtype))
   leaves, tree = jax.tree.flatten(state)
   keys = jax.random.split(k_s, len(leaves))
-  state = jax.tree.unflatten(tree, [(l + jax.random.normal(k, l.shape)).astype(dtype)
-                                    for l, k in zip(leaves, keys)])
+  state = jax.tree.unflatten(
+    tree, [(l + jax.random.normal(k, l.shape)).astype(dtype) for l, k in zip(leaves, keys)]
+  )
   f = sublayer_fn(k_f)
   params = nn.meta.unbox(mixer.init(k_p, state, f, 0))
 
@@ -136,8 +138,9 @@ def perturb(params, key, scale: float = 1.0):
   """Every parameter plus N(0, scale²) noise: a state far from initialisation."""
   leaves, tree = jax.tree.flatten(params)
   keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(tree, [l + scale * jax.random.normal(k, l.shape, l.dtype)
-                                   for l, k in zip(leaves, keys)])
+  return jax.tree.unflatten(
+    tree, [l + scale * jax.random.normal(k, l.shape, l.dtype) for l, k in zip(leaves, keys)]
+  )
 
 
 def per_token_h_res(mixer, params, x, f):
@@ -212,12 +215,14 @@ class _Stack(nn.Module):
       states.append(spec.stream(x))
     collapse_cls, kw = spec.collapse_module()
     logits = nn.Dense(self.vocab, use_bias=False, name="head")(
-        rms_norm(collapse_cls(**kw, name="collapse")(x)))
+      rms_norm(collapse_cls(**kw, name="collapse")(x))
+    )
     return logits, jnp.stack(states)
 
 
-def stream_separation(name: str, steps: int = 10, lr: float = 1e-2, seed: int = 0,
-                      **opts) -> list[float]:
+def stream_separation(
+  name: str, steps: int = 10, lr: float = 1e-2, seed: int = 0, **opts
+) -> list[float]:
   """Stream spread (max over layers) after 0, 1, ..., ``steps`` Adam steps on random tokens."""
   model = _Stack(name, opts)
   k_tok, k_tgt, k_p = jax.random.split(jax.random.PRNGKey(seed), 3)
@@ -245,8 +250,9 @@ def stream_separation(name: str, steps: int = 10, lr: float = 1e-2, seed: int = 
   return out
 
 
-def check_stream_separation(name: str, steps: int = 10, threshold: float = SEP_THRESHOLD,
-                            **opts) -> float:
+def check_stream_separation(
+  name: str, steps: int = 10, threshold: float = SEP_THRESHOLD, **opts
+) -> float:
   """After ``steps`` Adam steps (lr 1e-2) the streams differ by more than ``threshold``.
 
   Single-stream mixers (``n = 1``) pass trivially. Returns the final spread.
@@ -256,7 +262,8 @@ def check_stream_separation(name: str, steps: int = 10, threshold: float = SEP_T
     return 0.0
   spread = stream_separation(name, steps=steps, **opts)[-1]
   assert spread > threshold, (
-      f"{name} {opts}: streams stay (nearly) identical after {steps} optimiser steps "
-      f"(relative spread {spread:.2e} <= {threshold:.0e}); nothing tells the streams apart, so "
-      f"stream mixing is a no-op")
+    f"{name} {opts}: streams stay (nearly) identical after {steps} optimiser steps "
+    f"(relative spread {spread:.2e} <= {threshold:.0e}); nothing tells the streams apart, so "
+    f"stream mixing is a no-op"
+  )
   return spread

@@ -1,31 +1,32 @@
 """Config layer: YAML + overrides, validation messages, round trips, mesh resolution."""
+
 import dataclasses
 import pathlib
 
 import pytest
 
 from mhc_jax.train.config import (
-    Config,
-    ConfigError,
-    DistConfig,
-    MeshConfig,
-    ModelConfig,
-    apply_overrides,
-    check_paths,
-    config_hash,
-    data_option_names,
-    from_dict,
-    load_config,
-    mixer_names,
-    mixer_option_names,
-    parse_override,
-    resolve_dist,
-    save_config,
-    to_dict,
-    validate_mesh,
-    with_data_vocab,
-    with_overrides,
-    yaml_load,
+  Config,
+  ConfigError,
+  DistConfig,
+  MeshConfig,
+  ModelConfig,
+  apply_overrides,
+  check_paths,
+  config_hash,
+  data_option_names,
+  from_dict,
+  load_config,
+  mixer_names,
+  mixer_option_names,
+  parse_override,
+  resolve_dist,
+  save_config,
+  to_dict,
+  validate_mesh,
+  with_data_vocab,
+  with_overrides,
+  yaml_load,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,66 +35,82 @@ CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "sweeps" not i
 
 
 def _write(tmp_path, text, name="c.yaml"):
-    p = tmp_path / name
-    p.write_text(text)
-    return str(p)
+  p = tmp_path / name
+  p.write_text(text)
+  return str(p)
 
 
 def _err(fn, *args, **kw) -> str:
-    with pytest.raises(ConfigError) as e:
-        fn(*args, **kw)
-    return str(e.value)
+  with pytest.raises(ConfigError) as e:
+    fn(*args, **kw)
+  return str(e.value)
 
 
 # ---------------------------------------------------------------------------- files
 
+
 def test_repo_has_the_shipped_configs():
-    names = {p.name for p in CONFIGS}
-    assert {"quickstart.yaml", "debug.yaml"} <= names
+  names = {p.name for p in CONFIGS}
+  assert {"quickstart.yaml", "debug.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_config_file_loads(path):
-    cfg = load_config(str(path))
-    assert isinstance(cfg, Config)
-    # the leading comment says how to run it
-    assert path.read_text().lstrip().startswith("#")
+  cfg = load_config(str(path))
+  assert isinstance(cfg, Config)
+  # the leading comment says how to run it
+  assert path.read_text().lstrip().startswith("#")
 
 
 def test_shipped_configs_content():
-    q = load_config(str(ROOT / "configs/quickstart.yaml"))
-    assert (q.model.depth, q.model.width, q.model.heads, q.model.mixer) == (2, 32, 2, "mhc")
-    assert q.model.mixer_options == {}  # mhc's own default: n = 4 streams
-    from mhc_jax import mixers
-    assert mixers.get("mhc").n == 4
-    assert (q.data.task, q.data.seq_len, q.data.batch_size, q.train.steps) == ("bijection", 32, 16, 100)
-    d = load_config(str(ROOT / "configs/debug.yaml"))
-    assert d.train.steps == 5
-    validate_mesh(d.mesh, 8, d.data.batch_size)  # runs on the 8 simulated test devices
+  q = load_config(str(ROOT / "configs/quickstart.yaml"))
+  assert (q.model.depth, q.model.width, q.model.heads, q.model.mixer) == (2, 32, 2, "mhc")
+  assert q.model.mixer_options == {}  # mhc's own default: n = 4 streams
+  from mhc_jax import mixers
+
+  assert mixers.get("mhc").n == 4
+  assert (q.data.task, q.data.seq_len, q.data.batch_size, q.train.steps) == (
+    "bijection",
+    32,
+    16,
+    100,
+  )
+  d = load_config(str(ROOT / "configs/debug.yaml"))
+  assert d.train.steps == 5
+  validate_mesh(d.mesh, 8, d.data.batch_size)  # runs on the 8 simulated test devices
 
 
 def test_defaults():
-    c = load_config(None)
-    assert c == Config()
-    assert c.model.vocab is None and c.model.depth == 4 and c.model.mixer == "residual"
-    assert c.optim.lr == 3e-3 and c.optim.clip == 1.0 and c.train.steps == 200
-    assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (-1, 1, 1)
+  c = load_config(None)
+  assert c == Config()
+  assert c.model.vocab is None and c.model.depth == 4 and c.model.mixer == "residual"
+  assert c.optim.lr == 3e-3 and c.optim.clip == 1.0 and c.train.steps == 200
+  assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (-1, 1, 1)
 
 
 # ---------------------------------------------------------------------------- overrides
 
+
 def test_yaml_numbers_with_exponents_are_floats():
-    assert yaml_load("a: 3e-3\nb: 1e4\nc: -2E+2\nd: 10\ne: 1.5\nf: abc1e3") == {
-        "a": 0.003, "b": 10000.0, "c": -200.0, "d": 10, "e": 1.5, "f": "abc1e3"}
+  assert yaml_load("a: 3e-3\nb: 1e4\nc: -2E+2\nd: 10\ne: 1.5\nf: abc1e3") == {
+    "a": 0.003,
+    "b": 10000.0,
+    "c": -200.0,
+    "d": 10,
+    "e": 1.5,
+    "f": "abc1e3",
+  }
 
 
 def test_yaml_file_exponent_floats(tmp_path):
-    c = load_config(_write(tmp_path, "optim:\n  lr: 3e-3\n  eps: 1e-6\n"))
-    assert c.optim.lr == pytest.approx(0.003) and isinstance(c.optim.lr, float)
-    assert c.optim.eps == pytest.approx(1e-6)
+  c = load_config(_write(tmp_path, "optim:\n  lr: 3e-3\n  eps: 1e-6\n"))
+  assert c.optim.lr == pytest.approx(0.003) and isinstance(c.optim.lr, float)
+  assert c.optim.eps == pytest.approx(1e-6)
 
 
-@pytest.mark.parametrize("text,key,value", [
+@pytest.mark.parametrize(
+  "text,key,value",
+  [
     ("optim.lr=3e-3", "optim.lr", 0.003),
     ("optim.lr=1e4", "optim.lr", 1e4),
     ("optim.lr=0.5", "optim.lr", 0.5),
@@ -103,79 +120,102 @@ def test_yaml_file_exponent_floats(tmp_path):
     ("optim.clip=", "optim.clip", None),
     ("optim.clip=null", "optim.clip", None),
     ("dist.coordinator=10.0.0.1:1234", "dist.coordinator", "10.0.0.1:1234"),
-])
+  ],
+)
 def test_parse_override(text, key, value):
-    k, v = parse_override(text)
-    assert k == key and v == value and type(v) is type(value)
+  k, v = parse_override(text)
+  assert k == key and v == value and type(v) is type(value)
 
 
 def test_overrides_apply(tmp_path):
-    path = _write(tmp_path, "model:\n  mixer: mhc\n  mixer_options:\n    n: 2\n")
-    c = load_config(path, ["optim.lr=3e-3", "optim.weight_decay=0", "model.qk_norm=true",
-                           "model.mixer_options.n=4", "model.mixer_options.sinkhorn_iters=7",
-                           "data.options.n_symbols=12", "name=my-run"])
-    assert c.optim.lr == 0.003 and c.optim.weight_decay == 0.0
-    assert isinstance(c.optim.weight_decay, float)  # ints accepted for floats, stored as float
-    assert c.model.qk_norm is True
-    assert c.model.mixer_options == {"n": 4, "sinkhorn_iters": 7}
-    assert c.data.options == {"n_symbols": 12}
-    assert c.name == "my-run"
+  path = _write(tmp_path, "model:\n  mixer: mhc\n  mixer_options:\n    n: 2\n")
+  c = load_config(
+    path,
+    [
+      "optim.lr=3e-3",
+      "optim.weight_decay=0",
+      "model.qk_norm=true",
+      "model.mixer_options.n=4",
+      "model.mixer_options.sinkhorn_iters=7",
+      "data.options.n_symbols=12",
+      "name=my-run",
+    ],
+  )
+  assert c.optim.lr == 0.003 and c.optim.weight_decay == 0.0
+  assert isinstance(c.optim.weight_decay, float)  # ints accepted for floats, stored as float
+  assert c.model.qk_norm is True
+  assert c.model.mixer_options == {"n": 4, "sinkhorn_iters": 7}
+  assert c.data.options == {"n_symbols": 12}
+  assert c.name == "my-run"
 
 
 def test_apply_overrides_forms_and_copy():
-    base = {"model": {"depth": 2}}
-    out = apply_overrides(base, {"model.width": 32, "optim.lr": 1e-3})
-    assert out == {"model": {"depth": 2, "width": 32}, "optim": {"lr": 1e-3}}
-    assert base == {"model": {"depth": 2}}  # input untouched
-    assert apply_overrides(base, [("model.depth", 3)])["model"]["depth"] == 3
-    c = with_overrides(Config(), ["model.depth=6"])
-    assert c.model.depth == 6 and c.model.width == Config().model.width
+  base = {"model": {"depth": 2}}
+  out = apply_overrides(base, {"model.width": 32, "optim.lr": 1e-3})
+  assert out == {"model": {"depth": 2, "width": 32}, "optim": {"lr": 1e-3}}
+  assert base == {"model": {"depth": 2}}  # input untouched
+  assert apply_overrides(base, [("model.depth", 3)])["model"]["depth"] == 3
+  c = with_overrides(Config(), ["model.depth=6"])
+  assert c.model.depth == 6 and c.model.width == Config().model.width
 
 
 def test_later_override_wins():
-    assert load_config(None, ["train.steps=300", "train.steps=400"]).train.steps == 400
+  assert load_config(None, ["train.steps=300", "train.steps=400"]).train.steps == 400
 
 
 # ---------------------------------------------------------------------------- round trips
 
+
 def test_round_trip(tmp_path):
-    c = load_config(None, ["model.mixer=mhc", "model.mixer_options.n=4",
-                           "model.mixer_options.h_res_init=identity", "optim.eps=1e-8",
-                           "data.options.n_symbols=20", "model.mixer_options.pre_init=onehot",
-                           "dist.coordinator=localhost:1234", "name=rt"])
-    assert from_dict(to_dict(c)) == c
-    p = tmp_path / "saved.yaml"
-    save_config(c, str(p))
-    assert load_config(str(p)) == c
-    assert config_hash(load_config(str(p))) == config_hash(c)
+  c = load_config(
+    None,
+    [
+      "model.mixer=mhc",
+      "model.mixer_options.n=4",
+      "model.mixer_options.h_res_init=identity",
+      "optim.eps=1e-8",
+      "data.options.n_symbols=20",
+      "model.mixer_options.pre_init=onehot",
+      "dist.coordinator=localhost:1234",
+      "name=rt",
+    ],
+  )
+  assert from_dict(to_dict(c)) == c
+  p = tmp_path / "saved.yaml"
+  save_config(c, str(p))
+  assert load_config(str(p)) == c
+  assert config_hash(load_config(str(p))) == config_hash(c)
 
 
 def test_config_hash():
-    a = Config()
-    assert config_hash(a) == config_hash(Config()) and len(config_hash(a)) == 10
-    assert config_hash(with_overrides(a, ["optim.lr=1e-3"])) != config_hash(a)
-    # how the run is launched does not change what it computes
-    assert config_hash(with_overrides(a, ["dist.enabled=true"])) == config_hash(a)
+  a = Config()
+  assert config_hash(a) == config_hash(Config()) and len(config_hash(a)) == 10
+  assert config_hash(with_overrides(a, ["optim.lr=1e-3"])) != config_hash(a)
+  # how the run is launched does not change what it computes
+  assert config_hash(with_overrides(a, ["dist.enabled=true"])) == config_hash(a)
 
 
 def test_hashable_for_jit_static_args():
-    a = load_config(None, ["model.mixer=mhc", "model.mixer_options.n=4"])
-    b = with_overrides(Config(), ["model.mixer=mhc", "model.mixer_options.n=4"])
-    assert a == b and hash(a) == hash(b) and hash(a.model) == hash(b.model)
-    assert hash(a.model) != hash(Config().model)
+  a = load_config(None, ["model.mixer=mhc", "model.mixer_options.n=4"])
+  b = with_overrides(Config(), ["model.mixer=mhc", "model.mixer_options.n=4"])
+  assert a == b and hash(a) == hash(b) and hash(a.model) == hash(b.model)
+  assert hash(a.model) != hash(Config().model)
 
 
 def test_frozen_and_replace_revalidates():
-    c = Config()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        c.model.depth = 3  # type: ignore[misc]
-    with pytest.raises(ConfigError, match="model.heads"):
-        dataclasses.replace(c.model, heads=5)
+  c = Config()
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    c.model.depth = 3  # type: ignore[misc]
+  with pytest.raises(ConfigError, match="model.heads"):
+    dataclasses.replace(c.model, heads=5)
 
 
 # ---------------------------------------------------------------------------- bad input
 
-@pytest.mark.parametrize("overrides,message", [
+
+@pytest.mark.parametrize(
+  "overrides,message",
+  [
     (["model.heads=3"], "model.heads: 3 does not divide model.width=64"),
     (["optim.lr=-0.1"], "optim.lr: must be > 0, got -0.1"),
     (["optim.lr=0"], "optim.lr: must be > 0"),
@@ -190,26 +230,50 @@ def test_frozen_and_replace_revalidates():
     (["optim.lr=.nan"], "optim.lr: expected a finite number"),
     (["model.remat=partial"], "model.remat: expected one of 'none', 'full', 'dots'"),
     (["model.dtype=fp16"], "model.dtype: expected one of"),
-    (["optim.schedule=cosin"], "optim.schedule: expected one of 'cosine', 'linear', 'constant', got str 'cosin' (did you mean 'cosine'?)"),
+    (
+      ["optim.schedule=cosin"],
+      "optim.schedule: expected one of 'cosine', 'linear', 'constant', got str 'cosin' (did you mean 'cosine'?)",
+    ),
     (["train.nonfinite=ignore"], "train.nonfinite"),
     (["data.task=images"], "data.task"),
     (["data.task=text", "data.target=posterior", "data.options.path=/"], "data.target"),
     (["model.mixer=mch"], "model.mixer: unknown mixer 'mch' (did you mean mhc?)"),
-    (["model.mixer_options.nn=4"], "model.mixer_options.nn: unknown key (did you mean model.mixer_options.n?)"),
+    (
+      ["model.mixer_options.nn=4"],
+      "model.mixer_options.nn: unknown key (did you mean model.mixer_options.n?)",
+    ),
     (["model.mixer_options.bogus=1"], "model.mixer_options.bogus: unknown key (known:"),
     (["model.mixer=mhc", "model.mixer_options.n=0"], "model.mixer_options.n: must be >= 1"),
     (["model.mixer=mhc", "model.mixer_options.n=two"], "model.mixer_options.n: expected int"),
-    (["model.mixer=mhc", "model.mixer_options.dynamic=yes please"], "model.mixer_options.dynamic: expected bool"),
-    (["model.mixer=mhc", "model.mixer_options.alpha_init=x"], "model.mixer_options.alpha_init: expected float"),
-    (["model.mixer=mhc", "model.mixer_options.sinkhorn_iters=0"], "model.mixer_options.sinkhorn_iters: must be >= 1"),
-    (["model.mixer=mhc", "model.mixer_options.sinkhorn_grad=exact"], "model.mixer_options.sinkhorn_grad: expected one of 'unroll', 'implicit'"),
-    (["model.mixer=mhc", "model.mixer_options.h_res_init=random"], "model.mixer_options.h_res_init"),
+    (
+      ["model.mixer=mhc", "model.mixer_options.dynamic=yes please"],
+      "model.mixer_options.dynamic: expected bool",
+    ),
+    (
+      ["model.mixer=mhc", "model.mixer_options.alpha_init=x"],
+      "model.mixer_options.alpha_init: expected float",
+    ),
+    (
+      ["model.mixer=mhc", "model.mixer_options.sinkhorn_iters=0"],
+      "model.mixer_options.sinkhorn_iters: must be >= 1",
+    ),
+    (
+      ["model.mixer=mhc", "model.mixer_options.sinkhorn_grad=exact"],
+      "model.mixer_options.sinkhorn_grad: expected one of 'unroll', 'implicit'",
+    ),
+    (
+      ["model.mixer=mhc", "model.mixer_options.h_res_init=random"],
+      "model.mixer_options.h_res_init",
+    ),
     (["model.mixer=mhc", "model.mixer_options.collapse=mean"], "model.mixer_options.collapse"),
     (["model.mixer_options=4"], "model.mixer_options: expected mapping, got int 4"),
     (["model.width=30", "model.heads=2"], "model.rope: needs an even head dim"),
     (["optim.warmup_steps=-1"], "optim.warmup_steps: must be >= 0"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay: must be >= 0"),
-    (["optim.independent_wd=true", "optim.weight_decay=1.5"], "optim.weight_decay: with optim.independent_wd"),
+    (
+      ["optim.independent_wd=true", "optim.weight_decay=1.5"],
+      "optim.weight_decay: with optim.independent_wd",
+    ),
     (["optim.b2=1.0"], "optim.b2: must be in [0, 1)"),
     (["optim.clip=-1"], "optim.clip: must be >= 0"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio"),
@@ -217,128 +281,158 @@ def test_frozen_and_replace_revalidates():
     (["mesh.data=0"], "mesh.data: must be >= 1 or -1"),
     (["mesh.fsdp=-1"], "mesh: at most one axis may be -1"),
     (["dist.coordinator=nohostport"], "dist.coordinator: expected 'host:port'"),
-    (["dist.num_processes=2", "dist.process_id=2"], "dist.process_id: 2 is not below dist.num_processes=2"),
+    (
+      ["dist.num_processes=2", "dist.process_id=2"],
+      "dist.process_id: 2 is not below dist.num_processes=2",
+    ),
     (["model.depth=4", "model.depth.x=1"], "model.depth: is int 4, not a section"),
     (["model.depth.x=1"], "model.depth: expected int, got dict"),
     (["name=a/b"], "name: must be"),
     (["model=3"], "model: expected a mapping, got int 3"),
     (["noequals"], "expected KEY=VALUE"),
     (["a..b=1"], "malformed dotted key"),
-])
+  ],
+)
 def test_bad_input_names_the_key(overrides, message):
-    assert message in _err(load_config, None, overrides)
+  assert message in _err(load_config, None, overrides)
 
 
 def test_mixer_options_must_suit_the_mixer():
-    accepted = mixer_option_names("residual")
-    assert "n" in accepted and "collapse" in accepted
-    if "sinkhorn_iters" not in accepted:  # the registry knows what each mixer takes
-        assert _err(load_config, None, ["model.mixer_options.sinkhorn_iters=5"]).startswith(
-            "model.mixer_options.sinkhorn_iters: not an option of mixer 'residual'")
-    for name in mixer_names():
-        if name == "residual":  # one stream only: n=1 is accepted, anything else named
-            assert load_config(None, ["model.mixer_options.n=1"])
-            assert _err(load_config, None, ["model.mixer_options.n=2"]) == (
-                "model.mixer_options.n: the residual mixer has exactly one stream, got 2")
-            continue
-        for key in mixer_option_names(name):
-            if key == "n":
-                assert load_config(None, [f"model.mixer={name}", "model.mixer_options.n=2"])
+  accepted = mixer_option_names("residual")
+  assert "n" in accepted and "collapse" in accepted
+  if "sinkhorn_iters" not in accepted:  # the registry knows what each mixer takes
+    assert _err(load_config, None, ["model.mixer_options.sinkhorn_iters=5"]).startswith(
+      "model.mixer_options.sinkhorn_iters: not an option of mixer 'residual'"
+    )
+  for name in mixer_names():
+    if name == "residual":  # one stream only: n=1 is accepted, anything else named
+      assert load_config(None, ["model.mixer_options.n=1"])
+      assert _err(load_config, None, ["model.mixer_options.n=2"]) == (
+        "model.mixer_options.n: the residual mixer has exactly one stream, got 2"
+      )
+      continue
+    for key in mixer_option_names(name):
+      if key == "n":
+        assert load_config(None, [f"model.mixer={name}", "model.mixer_options.n=2"])
 
 
 def test_data_options_must_suit_the_task():
-    assert data_option_names("bijection") is not None
-    assert _err(load_config, None, ["data.options.n_symbol=4"]) == \
-        "data.options.n_symbol: unknown key (did you mean data.options.n_symbols?)"
-    assert load_config(None, ["data.task=hmm", "data.options.n_states=3"]).data.options == \
-        {"n_states": 3}
+  assert data_option_names("bijection") is not None
+  assert (
+    _err(load_config, None, ["data.options.n_symbol=4"])
+    == "data.options.n_symbol: unknown key (did you mean data.options.n_symbols?)"
+  )
+  assert load_config(None, ["data.task=hmm", "data.options.n_states=3"]).data.options == {
+    "n_states": 3
+  }
 
 
 def test_missing_data_path_names_the_key(tmp_path):
-    assert load_config(None, ["data.task=text"]).data.options == {}  # default corpus: stdlib
-    assert _err(load_config, None, ["data.task=text", f"data.options.path={tmp_path}/*.zz"]) == \
-        f"data.options.path: {tmp_path}/*.zz matches no files"
-    missing = str(tmp_path / "nope.txt")
-    assert _err(load_config, None, ["data.task=text", f"data.options.path={missing}"]) == \
-        f"data.options.path: {missing} does not exist"
-    assert "data.options.data_dir" in _err(
-        load_config, None, ["data.task=tfds", f"data.options.data_dir={missing}"])
-    (tmp_path / "ok.txt").write_text("hello")
-    c = load_config(None, ["data.task=text", f"data.options.path={tmp_path / 'ok.txt'}"])
-    check_paths(c)
-    # the pure parts can skip the file system (e.g. reading another machine's run config)
-    load_config(None, ["data.task=text", f"data.options.path={missing}"], check_files=False)
+  assert load_config(None, ["data.task=text"]).data.options == {}  # default corpus: stdlib
+  assert (
+    _err(load_config, None, ["data.task=text", f"data.options.path={tmp_path}/*.zz"])
+    == f"data.options.path: {tmp_path}/*.zz matches no files"
+  )
+  missing = str(tmp_path / "nope.txt")
+  assert (
+    _err(load_config, None, ["data.task=text", f"data.options.path={missing}"])
+    == f"data.options.path: {missing} does not exist"
+  )
+  assert "data.options.data_dir" in _err(
+    load_config, None, ["data.task=tfds", f"data.options.data_dir={missing}"]
+  )
+  (tmp_path / "ok.txt").write_text("hello")
+  c = load_config(None, ["data.task=text", f"data.options.path={tmp_path / 'ok.txt'}"])
+  check_paths(c)
+  # the pure parts can skip the file system (e.g. reading another machine's run config)
+  load_config(None, ["data.task=text", f"data.options.path={missing}"], check_files=False)
 
 
 def test_missing_file_and_bad_yaml(tmp_path):
-    missing = str(tmp_path / "nope.yaml")
-    assert _err(load_config, missing) == f"config file {missing}: not found"
-    bad = _write(tmp_path, "model:\n  depth: 2\n width: [\n", "bad.yaml")
-    msg = _err(load_config, bad)
-    assert msg.startswith(f"config file {bad}: invalid YAML at line ")
-    dup = _write(tmp_path, "optim:\n  lr: 1.0\n  lr: 2.0\n", "dup.yaml")
-    assert _err(load_config, dup) == f"config file {dup}: invalid YAML at line 3: duplicate key 'lr'"
-    lst = _write(tmp_path, "- 1\n- 2\n", "list.yaml")
-    assert "top level must be a mapping" in _err(load_config, lst)
-    assert _err(load_config, str(tmp_path)).endswith("is a directory, expected a YAML file")
+  missing = str(tmp_path / "nope.yaml")
+  assert _err(load_config, missing) == f"config file {missing}: not found"
+  bad = _write(tmp_path, "model:\n  depth: 2\n width: [\n", "bad.yaml")
+  msg = _err(load_config, bad)
+  assert msg.startswith(f"config file {bad}: invalid YAML at line ")
+  dup = _write(tmp_path, "optim:\n  lr: 1.0\n  lr: 2.0\n", "dup.yaml")
+  assert _err(load_config, dup) == f"config file {dup}: invalid YAML at line 3: duplicate key 'lr'"
+  lst = _write(tmp_path, "- 1\n- 2\n", "list.yaml")
+  assert "top level must be a mapping" in _err(load_config, lst)
+  assert _err(load_config, str(tmp_path)).endswith("is a directory, expected a YAML file")
 
 
 def test_bad_keys_in_file(tmp_path):
-    p = _write(tmp_path, "model:\n  dept: 3\n")
-    assert _err(load_config, p) == "model.dept: unknown key (did you mean model.depth?)"
-    p = _write(tmp_path, "optim:\n  lr: -0.1\n", "lr.yaml")
-    assert _err(load_config, p) == "optim.lr: must be > 0, got -0.1"
+  p = _write(tmp_path, "model:\n  dept: 3\n")
+  assert _err(load_config, p) == "model.dept: unknown key (did you mean model.depth?)"
+  p = _write(tmp_path, "optim:\n  lr: -0.1\n", "lr.yaml")
+  assert _err(load_config, p) == "optim.lr: must be > 0, got -0.1"
 
 
 def test_empty_file_and_empty_section(tmp_path):
-    assert load_config(_write(tmp_path, "# nothing\n")) == Config()
-    assert load_config(_write(tmp_path, "model:\noptim:\n", "e.yaml")) == Config()
+  assert load_config(_write(tmp_path, "# nothing\n")) == Config()
+  assert load_config(_write(tmp_path, "model:\noptim:\n", "e.yaml")) == Config()
 
 
 # ---------------------------------------------------------------------------- mesh
 
-@pytest.mark.parametrize("sizes,expected", [
-    ((8, 1, 1), (8, 1, 1)), ((2, 4, 1), (2, 4, 1)), ((2, 2, 2), (2, 2, 2)),
-    ((-1, 2, 1), (4, 2, 1)), ((-1, 1, 1), (8, 1, 1)), ((2, -1, 2), (2, 2, 2)),
-])
+
+@pytest.mark.parametrize(
+  "sizes,expected",
+  [
+    ((8, 1, 1), (8, 1, 1)),
+    ((2, 4, 1), (2, 4, 1)),
+    ((2, 2, 2), (2, 2, 2)),
+    ((-1, 2, 1), (4, 2, 1)),
+    ((-1, 1, 1), (8, 1, 1)),
+    ((2, -1, 2), (2, 2, 2)),
+  ],
+)
 def test_validate_mesh(sizes, expected):
-    assert validate_mesh(MeshConfig(*sizes), 8) == expected
+  assert validate_mesh(MeshConfig(*sizes), 8) == expected
 
 
 def test_validate_mesh_bad():
-    assert _err(validate_mesh, MeshConfig(3, 1, 1), 8) == \
-        "mesh: data*fsdp*tensor = 3 does not match 8 devices"
-    assert _err(validate_mesh, MeshConfig(-1, 3, 1), 8).startswith("mesh.data: -1 cannot fill 8")
-    assert "at most one axis may be -1" in _err(MeshConfig, -1, -1, 1)
-    assert _err(validate_mesh, MeshConfig(4, 2, 1), 8, 12) == \
-        "data.batch_size: 12 is not divisible by mesh data*fsdp = 8"
-    assert validate_mesh(MeshConfig(2, 1, 4), 8, 2) == (2, 1, 4)  # tensor does not split batch
+  assert (
+    _err(validate_mesh, MeshConfig(3, 1, 1), 8)
+    == "mesh: data*fsdp*tensor = 3 does not match 8 devices"
+  )
+  assert _err(validate_mesh, MeshConfig(-1, 3, 1), 8).startswith("mesh.data: -1 cannot fill 8")
+  assert "at most one axis may be -1" in _err(MeshConfig, -1, -1, 1)
+  assert (
+    _err(validate_mesh, MeshConfig(4, 2, 1), 8, 12)
+    == "data.batch_size: 12 is not divisible by mesh data*fsdp = 8"
+  )
+  assert validate_mesh(MeshConfig(2, 1, 4), 8, 2) == (2, 1, 4)  # tensor does not split batch
 
 
 # ---------------------------------------------------------------------------- dist, vocab
 
+
 def test_resolve_dist_from_env():
-    env = {"MHC_COORDINATOR": "10.0.0.2:1234", "MHC_NUM_PROCESSES": "2", "MHC_PROCESS_ID": "1"}
-    d = resolve_dist(DistConfig(), env)
-    assert d == DistConfig(True, "10.0.0.2:1234", 2, 1)
-    # the config wins over the environment
-    assert resolve_dist(DistConfig(process_id=0), env).process_id == 0
-    assert resolve_dist(DistConfig(), {}) == DistConfig()
-    assert _err(resolve_dist, DistConfig(), {"MHC_PROCESS_ID": "x"}) == \
-        "MHC_PROCESS_ID: expected int, got 'x'"
-    assert "dist.process_id" in _err(resolve_dist, DistConfig(), {**env, "MHC_PROCESS_ID": "5"})
+  env = {"MHC_COORDINATOR": "10.0.0.2:1234", "MHC_NUM_PROCESSES": "2", "MHC_PROCESS_ID": "1"}
+  d = resolve_dist(DistConfig(), env)
+  assert d == DistConfig(True, "10.0.0.2:1234", 2, 1)
+  # the config wins over the environment
+  assert resolve_dist(DistConfig(process_id=0), env).process_id == 0
+  assert resolve_dist(DistConfig(), {}) == DistConfig()
+  assert (
+    _err(resolve_dist, DistConfig(), {"MHC_PROCESS_ID": "x"})
+    == "MHC_PROCESS_ID: expected int, got 'x'"
+  )
+  assert "dist.process_id" in _err(resolve_dist, DistConfig(), {**env, "MHC_PROCESS_ID": "5"})
 
 
 def test_with_data_vocab():
-    c = Config()
-    assert with_data_vocab(c, 24).model.vocab == 24
-    assert with_data_vocab(c, None).model.vocab == 256
-    big = with_overrides(c, ["model.vocab=300"])
-    assert with_data_vocab(big, 24) is big
-    assert "model.vocab: 300 is smaller" in _err(with_data_vocab, big, 400)
+  c = Config()
+  assert with_data_vocab(c, 24).model.vocab == 24
+  assert with_data_vocab(c, None).model.vocab == 256
+  big = with_overrides(c, ["model.vocab=300"])
+  assert with_data_vocab(big, 24) is big
+  assert "model.vocab: 300 is smaller" in _err(with_data_vocab, big, 400)
 
 
 def test_model_config_direct():
-    m = ModelConfig(depth=2, width=32, heads=2, mixer="hc", mixer_options={"n": 4, "dynamic": True,
-                                                                            "alpha_init": 1})
-    assert m.mixer_options["alpha_init"] == 1.0 and isinstance(m.mixer_options["alpha_init"], float)
+  m = ModelConfig(
+    depth=2, width=32, heads=2, mixer="hc", mixer_options={"n": 4, "dynamic": True, "alpha_init": 1}
+  )
+  assert m.mixer_options["alpha_init"] == 1.0 and isinstance(m.mixer_options["alpha_init"], float)

@@ -9,6 +9,7 @@ for two steps and runs each eval command as written. Placeholders (``DIR``, ``RU
 ``SWEEP_DIR``, ``my_corpus.txt``, ``$HOME``) are filled in; the README's optional ``[...]``
 groups are tried without and with their options.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -79,8 +80,10 @@ IDS = [f"{w}: {c}" for w, c in COMMANDS]
 def test_the_documents_quote_commands_of_every_kind():
   kinds = {c.split()[1] for _, c in COMMANDS}
   assert kinds == {"train", "sweep", "report", "eval"}, kinds
-  assert ("configs/quickstart.yaml",
-          "mhc-jax train --config configs/quickstart.yaml --set model.mixer=residual") in COMMANDS
+  assert (
+    "configs/quickstart.yaml",
+    "mhc-jax train --config configs/quickstart.yaml --set model.mixer=residual",
+  ) in COMMANDS
   assert len(COMMANDS) >= 20
 
 
@@ -89,7 +92,8 @@ def workdir(tmp_path, monkeypatch):
   """A directory to run commands in as from the repository root (configs/ as there)."""
   (tmp_path / "configs").symlink_to(ROOT / "configs")
   (tmp_path / "my_corpus.txt").write_text(
-      (ROOT / "README.md").read_text() * 40)   # some text for the text config's --set path
+    (ROOT / "README.md").read_text() * 40
+  )  # some text for the text config's --set path
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("HOME", str(tmp_path / "home"))
   return tmp_path
@@ -98,8 +102,11 @@ def workdir(tmp_path, monkeypatch):
 def argv_of(command: str, tmp: Path) -> list[str]:
   words = shlex.split(os.path.expandvars(command))
   assert words[0] == "mhc-jax"
-  subst = {"DIR": str(tmp / "DIR"), "RUN_DIR": str(tmp / "RUN_DIR"),
-           "SWEEP_DIR": str(tmp / "SWEEP_DIR")}
+  subst = {
+    "DIR": str(tmp / "DIR"),
+    "RUN_DIR": str(tmp / "RUN_DIR"),
+    "SWEEP_DIR": str(tmp / "SWEEP_DIR"),
+  }
   return [subst.get(w, w) for w in words[1:]]
 
 
@@ -120,8 +127,11 @@ def test_documented_command_works(where, command, workdir, capsys):
   if kind == "eval":
     run = Path(argv[argv.index("--run") + 1])
     if run.name != "RUN_DIR":  # a header's eval reads the run its train command makes
-      outs = {argv_of(c, workdir)[argv_of(c, workdir).index("--out") + 1]
-              for w, c in COMMANDS if w == where and "--out" in c and c.split()[1] == "train"}
+      outs = {
+        argv_of(c, workdir)[argv_of(c, workdir).index("--out") + 1]
+        for w, c in COMMANDS
+        if w == where and "--out" in c and c.split()[1] == "train"
+      }
       assert str(run) in outs or os.fspath(run) in outs, (run, outs)
     cli.build_parser().parse_args(argv)  # it is a valid command; the slow test runs it
     return
@@ -130,7 +140,7 @@ def test_documented_command_works(where, command, workdir, capsys):
   if kind == "train" and "--resume" in argv:  # a run directory to continue (config only)
     out = Path(argv[argv.index("--out") + 1])
     out.mkdir(parents=True)
-    sets = argv[argv.index("--set") + 1:argv.index("--out")] if "--set" in argv else []
+    sets = argv[argv.index("--set") + 1 : argv.index("--out")] if "--set" in argv else []
     cfg = load_config(argv[argv.index("--config") + 1], sets)
     save_config(with_data_vocab(cfg, 18), out / "config.yaml")  # 18: the bijection's vocab
   if kind in ("train", "sweep") and "--dry-run" not in argv:
@@ -160,13 +170,18 @@ def _eval_pairs() -> list[tuple[str, str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where,train,evaluate", _eval_pairs(),
-                         ids=[p[0] for p in _eval_pairs()])
+@pytest.mark.parametrize("where,train,evaluate", _eval_pairs(), ids=[p[0] for p in _eval_pairs()])
 def test_documented_eval_commands_run(where, train, evaluate, workdir, capsys, fast_compile):
   """Each header's eval command on the run its train command makes (trained for 2 steps)."""
   argv = argv_of(train, workdir) + [
-      "--quiet", "--set", "train.steps=2", "optim.warmup_steps=1", "train.eval_every=0",
-      "train.diag_every=0", "train.ckpt_every=0"]
+    "--quiet",
+    "--set",
+    "train.steps=2",
+    "optim.warmup_steps=1",
+    "train.eval_every=0",
+    "train.diag_every=0",
+    "train.ckpt_every=0",
+  ]
   rc = cli.main(argv)
   out, err = capsys.readouterr()
   if rc == 2 and _is_tfds_without_data(argv, err):

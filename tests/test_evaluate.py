@@ -1,4 +1,5 @@
 """`mhc-jax eval`: a tiny run trained by the project's trainer (2 checkpoints), evaluated in-process."""
+
 import json
 import math
 
@@ -11,9 +12,19 @@ from mhc_jax.train.loop import prepare, train
 
 
 def _train(run_dir, overrides=()):
-  cfg = C.load_config("configs/debug.yaml", [
-      "train.steps=4", "train.ckpt_every=2", "train.keep_ckpts=3", "train.diag_every=0",
-      "data.seq_len=24", "data.options.n_symbols=5", "model.depth=2", *overrides])
+  cfg = C.load_config(
+    "configs/debug.yaml",
+    [
+      "train.steps=4",
+      "train.ckpt_every=2",
+      "train.keep_ckpts=3",
+      "train.diag_every=0",
+      "data.seq_len=24",
+      "data.options.n_symbols=5",
+      "model.depth=2",
+      *overrides,
+    ],
+  )
   train(prepare(cfg), run_dir, progress=False)
   return cfg
 
@@ -21,6 +32,7 @@ def _train(run_dir, overrides=()):
 @pytest.fixture(scope="module")
 def bijection_run(tmp_path_factory):
   import jax
+
   run = tmp_path_factory.mktemp("evalrun") / "run"
   old = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)  # as conftest's fast_compile
@@ -64,12 +76,15 @@ def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys, fast_co
   p = r["probes"]
   assert set(p["controls"]) == {"key_orthogonality", "qk_alignment", "pca_entropy", "drift"}
   ko = p["key_orthogonality"]
-  assert 0 <= ko["mean_abs_cos"] <= 1 and ko["hypotheses"] >= 2 and ko["reads"] == "keys before RoPE"
+  assert (
+    0 <= ko["mean_abs_cos"] <= 1 and ko["hypotheses"] >= 2 and ko["reads"] == "keys before RoPE"
+  )
   assert "RoPE" in ko["controls"] and "random" in ko["controls"]
   assert len(ko["mean_abs_cos_by_layer"]) == len(ko["random_mean_abs_cos_by_layer"]) == 2
   assert all(0 < x < 1 for x in ko["random_mean_abs_cos_by_layer"])
   assert ko["ratio_to_random_by_layer"][-1] == pytest.approx(
-      ko["mean_abs_cos_by_layer"][-1] / ko["random_mean_abs_cos_by_layer"][-1])
+    ko["mean_abs_cos_by_layer"][-1] / ko["random_mean_abs_cos_by_layer"][-1]
+  )
   qk = p["qk_alignment"]
   assert 0 <= qk["attn_on_target"] <= 1 and qk["reads"] == "q and k before RoPE"
   assert "distance" in qk["controls"]
@@ -105,8 +120,16 @@ def test_eval_text_run_reports_bits_per_byte(tmp_path, capsys, fast_compile):
   corpus = tmp_path / "corpus.txt"
   corpus.write_bytes(bytes(range(32, 127)) * 40)
   run = tmp_path / "run"
-  _train(run, ["data.task=text", f"data.options={{path: {corpus}}}", "train.steps=2",
-               "train.ckpt_every=0", "model.depth=1"])
+  _train(
+    run,
+    [
+      "data.task=text",
+      f"data.options={{path: {corpus}}}",
+      "train.steps=2",
+      "train.ckpt_every=0",
+      "model.depth=1",
+    ],
+  )
   assert cli.main(["eval", "--run", str(run), "--batches", "1"]) == 0
   r = json.loads((run / "eval.json").read_text())
   m = r["metrics"]
@@ -120,9 +143,17 @@ def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys, f
   """HMM filtering: the baselines and the filtering verdict are printed and in eval.json; and
   (issue 12, defect 3) model.vocab may exceed the data's vocabulary (the posterior is padded)."""
   run = tmp_path / "run"
-  _train(run, ["data.task=hmm", "data.options={n_states: 2, n_symbols: 2, n_levels: 4, "
-               "stickiness: 0.5}", "model.vocab=40", "train.steps=2", "train.ckpt_every=0",
-               "model.depth=1"])
+  _train(
+    run,
+    [
+      "data.task=hmm",
+      "data.options={n_states: 2, n_symbols: 2, n_levels: 4, stickiness: 0.5}",
+      "model.vocab=40",
+      "train.steps=2",
+      "train.ckpt_every=0",
+      "model.depth=1",
+    ],
+  )
   assert cli.main(["eval", "--run", str(run), "--batches", "1"]) == 0, capsys.readouterr().err
   out = capsys.readouterr().out
   r = json.loads((run / "eval.json").read_text())
@@ -131,7 +162,9 @@ def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys, f
   b = m["baselines"]
   assert set(b) == {"uniform", "header_only", "header_blind", "last_obs"}
   assert b["header_blind"]["kl_bits"] == pytest.approx(b["uniform"]["kl_bits"])
-  assert 0 < b["last_obs"]["kl_bits"] < b["header_only"]["kl_bits"] <= b["uniform"]["kl_bits"] + 1e-9
+  assert (
+    0 < b["last_obs"]["kl_bits"] < b["header_only"]["kl_bits"] <= b["uniform"]["kl_bits"] + 1e-9
+  )
   assert m["kl_bits_uniform"] == b["uniform"]["kl_bits"] < 1.0  # over the 2 state labels
   f = m["filtering"]
   assert f["threshold_bits"] == pytest.approx(b["header_only"]["kl_bits"] / 10)

@@ -5,6 +5,7 @@ header (smoke test: the model uses the observations).
 The step is `train.step.make_train_step` jitted on one device (no mesh: the 8 simulated test
 devices would only slow a model this small down); batches and metrics are the project's own.
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -32,29 +33,41 @@ def uniform_guess_kl(batch) -> float:
 
 def train_and_measure(overrides, eval_batches=4):
   """(KL before, KL after training, uniform-guess KL, {baseline: KL}) on validation batches."""
-  cfg = C.load_config(None, ["data.target=posterior", "optim.weight_decay=0.0",
-                             "train.diag_every=0", *overrides])
+  cfg = C.load_config(
+    None, ["data.target=posterior", "optim.weight_decay=0.0", "train.diag_every=0", *overrides]
+  )
   setup = prepare(cfg)
   cfg, source = setup.cfg, setup.source
   model = Transformer(cfg.model)
   tx, sched = make_optimizer(cfg.optim, cfg.train.steps)
-  params = nn.meta.unbox(model.init(jax.random.PRNGKey(cfg.train.seed),
-                                    jnp.zeros((1, cfg.data.seq_len), jnp.int32)))
-  state = State(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                nonfinite=jnp.zeros((), jnp.int32))
+  params = nn.meta.unbox(
+    model.init(jax.random.PRNGKey(cfg.train.seed), jnp.zeros((1, cfg.data.seq_len), jnp.int32))
+  )
+  state = State(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=tx.init(params),
+    nonfinite=jnp.zeros((), jnp.int32),
+  )
   step = jax.jit(make_train_step(model, tx, sched, cfg), static_argnums=2, donate_argnums=0)
   logits_fn = jax.jit(lambda p, x: model.apply(p, x)[0])
-  val = [{k: v for k, v in source.batch(i, cfg.data.batch_size, "validation").items()
-          if k in KEYS} for i in range(eval_batches)]
+  val = [
+    {k: v for k, v in source.batch(i, cfg.data.batch_size, "validation").items() if k in KEYS}
+    for i in range(eval_batches)
+  ]
 
   def kl(params):
-    return float(np.mean([posterior.kl_bits(b["posterior"], logits_fn(params, b["inputs"]),
-                                            b["mask"]) for b in val]))
+    return float(
+      np.mean(
+        [posterior.kl_bits(b["posterior"], logits_fn(params, b["inputs"]), b["mask"]) for b in val]
+      )
+    )
 
   kl0 = kl(state.params)
   base = {}
   if hasattr(source, "baselines"):
     from mhc_jax.evaluate import kl_bits_dist
+
     for b in val:
       for name, d in source.baselines(np.asarray(b["inputs"])).items():
         v = kl_bits_dist(np.asarray(b["posterior"]), d)
@@ -72,10 +85,20 @@ def train_and_measure(overrides, eval_batches=4):
 
 @pytest.mark.slow  # ~40 s on a free 2-core machine
 def test_bijection_kl_falls_far_below_uniform_guess():
-  kl0, kl1, uni, _ = train_and_measure([
-      "data.task=bijection", "data.options.n_symbols=6", "data.seq_len=32",
-      "data.batch_size=64", "model.depth=2", "model.width=32", "model.heads=4",
-      "optim.lr=5e-3", "optim.warmup_steps=20", "train.steps=1000"])
+  kl0, kl1, uni, _ = train_and_measure(
+    [
+      "data.task=bijection",
+      "data.options.n_symbols=6",
+      "data.seq_len=32",
+      "data.batch_size=64",
+      "model.depth=2",
+      "model.width=32",
+      "model.heads=4",
+      "optim.lr=5e-3",
+      "optim.warmup_steps=20",
+      "train.steps=1000",
+    ]
+  )
   print(f"bijection V=6: KL init {kl0:.3f}, trained {kl1:.3f}, uniform guess {uni:.3f} bits")
   assert uni > 1.0
   assert kl0 > 0.9 * uni  # untrained: no better than the uniform guess (worse: mass off the values)
@@ -86,11 +109,23 @@ def test_bijection_kl_falls_far_below_uniform_guess():
 def test_hmm_filtering_kl_far_below_header_only_guess():
   """The model reads the observations, not just the header (the full run in
   docs/windtunnel_results.md also beats the last-observation guess)."""
-  kl0, kl1, uni, base = train_and_measure([
-      "data.task=hmm", "data.options={n_states: 2, n_symbols: 3, stickiness: 0.7}",
-      "data.seq_len=32", "data.batch_size=32", "model.depth=2", "model.width=64",
-      "model.heads=4", "optim.lr=3e-3", "optim.warmup_steps=20", "train.steps=1000"])
-  print(f"hmm filtering S=2 K=3: KL init {kl0:.3f}, trained {kl1:.3f}; baselines " +
-        ", ".join(f"{k} {v:.3f}" for k, v in base.items()))
+  kl0, kl1, uni, base = train_and_measure(
+    [
+      "data.task=hmm",
+      "data.options={n_states: 2, n_symbols: 3, stickiness: 0.7}",
+      "data.seq_len=32",
+      "data.batch_size=32",
+      "model.depth=2",
+      "model.width=64",
+      "model.heads=4",
+      "optim.lr=3e-3",
+      "optim.warmup_steps=20",
+      "train.steps=1000",
+    ]
+  )
+  print(
+    f"hmm filtering S=2 K=3: KL init {kl0:.3f}, trained {kl1:.3f}; baselines "
+    + ", ".join(f"{k} {v:.3f}" for k, v in base.items())
+  )
   assert base["header_only"] > 0.15  # the observations carry information the header does not
   assert kl1 < 0.5 * base["header_only"] and kl1 < kl0

@@ -2,6 +2,7 @@
 corrupt, claims that only one worker wins, leases that let a dead worker's runs be taken over,
 results only the owner can record. No JAX here: plain processes racing on one directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,17 +24,27 @@ REPO = Path(__file__).resolve().parents[1]
 
 def _new(tmp_path: Path, names=("a", "b", "c")) -> Manifest:
   m = Manifest(tmp_path / "s")
-  m.transact(lambda d: d.update(name="t", runs={n: {"status": "pending", "dir": f"runs/{n}",
-                                                    "overrides": {}} for n in names}))
+  m.transact(
+    lambda d: d.update(
+      name="t", runs={n: {"status": "pending", "dir": f"runs/{n}", "overrides": {}} for n in names}
+    )
+  )
   return m
 
 
 def _run_all(code: str, n: int, *args) -> list[str]:
   """Start `n` Python processes running `code` at once; their stdout."""
   env = dict(os.environ, PYTHONPATH=str(REPO))
-  procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(i), *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-           for i in range(n)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, "-c", textwrap.dedent(code), str(i), *map(str, args)],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+      env=env,
+    )
+    for i in range(n)
+  ]
   outs = []
   for p in procs:
     out, err = p.communicate(timeout=120)
@@ -99,9 +110,21 @@ def test_racing_claims_each_run_claimed_once(tmp_path):
   done = tmp_path / "done"
   done.mkdir()
   env = dict(os.environ, PYTHONPATH=str(REPO))
-  procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(i),
-                             str(tmp_path / "s"), ",".join(names), str(done)], env=env)
-           for i in range(6)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        "-c",
+        textwrap.dedent(code),
+        str(i),
+        str(tmp_path / "s"),
+        ",".join(names),
+        str(done),
+      ],
+      env=env,
+    )
+    for i in range(6)
+  ]
   try:
     deadline = time.time() + 120
     while len(list(done.glob("*.json"))) < 6 and time.time() < deadline:
@@ -115,7 +138,7 @@ def test_racing_claims_each_run_claimed_once(tmp_path):
       p.wait(timeout=60)
   assert len(outs) == 6
   winners = [n for o in outs for n in o["got"]]
-  assert sorted(winners) == names            # each run claimed, and only once
+  assert sorted(winners) == names  # each run claimed, and only once
   for o in outs:
     for n in o["got"]:
       assert d["runs"][n]["owner"]["token"] == o["token"]
@@ -123,8 +146,14 @@ def test_racing_claims_each_run_claimed_once(tmp_path):
 
 
 def _fake_owner(**kw) -> dict:
-  o = {"token": "other", "host": "elsewhere", "machine": "elsewhere/boot/pid:[1]", "pid": 1,
-       "started": 1, "job": None}
+  o = {
+    "token": "other",
+    "host": "elsewhere",
+    "machine": "elsewhere/boot/pid:[1]",
+    "pid": 1,
+    "started": 1,
+    "job": None,
+  }
   o.update(kw)
   return o
 
@@ -146,12 +175,12 @@ def test_lease_and_liveness():
     w = Worker.current()
     o = _fake_owner(machine=me.machine, pid=alive.pid, started=mf._start_time(alive.pid))
     assert claim_state(running(o, now - 1e6), w, now, lease_s=60) == "held"
-    o_reused = dict(o, started=(o["started"] or 0) + 1)   # same pid, another process
+    o_reused = dict(o, started=(o["started"] or 0) + 1)  # same pid, another process
     assert claim_state(running(o_reused, now), w, now, lease_s=60) == "free"
   finally:
     alive.kill()
     alive.wait()
-  assert claim_state(running(o, now), w, now, lease_s=60) == "free"   # its process is gone
+  assert claim_state(running(o, now), w, now, lease_s=60) == "free"  # its process is gone
   # a later life of the same cluster job takes over at once
   job_me = Worker("t2", "h", "h/b/p", 5, 5, "slurm:77")
   assert claim_state(running(_fake_owner(job="slurm:77"), now), job_me, now, 60) == "free"
@@ -192,7 +221,7 @@ def test_heartbeat_renews_and_reports_a_lost_claim(tmp_path, monkeypatch):
   lost = []
   with Heartbeat(m, me, ["a", "b"], on_lost=lost.extend):
     time.sleep(0.7)
-    assert m.read()["runs"]["a"]["heartbeat"] > t0     # renewed every lease/6
+    assert m.read()["runs"]["a"]["heartbeat"] > t0  # renewed every lease/6
     thief = Worker("thief", "h", "h/b/p", 2, 2, None)
     m.transact(lambda d: d["runs"]["b"].update(owner=thief.as_dict()))
     deadline = time.time() + 5
@@ -205,11 +234,11 @@ def test_a_writer_waits_for_the_latest_manifest(tmp_path):
   """As on NFS with a cached directory entry: the lock file says seq 3 was written but the
   file read is still seq 2; the writer waits until it reads seq 3 and builds on that."""
   m = _new(tmp_path)
-  m.transact(lambda d: d.update(x=1))        # seq 2
+  m.transact(lambda d: d.update(x=1))  # seq 2
   old = (tmp_path / "s" / "manifest.json").read_text()
-  m.transact(lambda d: d.update(x=2))        # seq 3
+  m.transact(lambda d: d.update(x=2))  # seq 3
   new = (tmp_path / "s" / "manifest.json").read_text()
-  (tmp_path / "s" / "manifest.json").write_text(old)   # the stale view
+  (tmp_path / "s" / "manifest.json").write_text(old)  # the stale view
 
   def catch_up():
     time.sleep(0.4)

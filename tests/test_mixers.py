@@ -1,4 +1,5 @@
 """Mixer contract (mhc_jax.testing) over every registered mixer, plus each family's own claims."""
+
 import typing
 
 import chex
@@ -40,12 +41,17 @@ def _separation_cases():
   for name in NAMES:
     inits = [None]
     if "h_res_init" in mixers.options(name):
-      inits = list(typing.get_args(mixers._cls(name).__annotations__.get("h_res_init")) or
-                   ("identity", "uniform"))
+      inits = list(
+        typing.get_args(mixers._cls(name).__annotations__.get("h_res_init"))
+        or ("identity", "uniform")
+      )
     for init in inits:
       cases.append((name, {} if init is None else {"h_res_init": init}))
-  cases += [("hc", {"dynamic": False}), ("mhc", {"dynamic": False, "h_res_init": "identity"}),
-            ("mhc_lite", {"dynamic": False, "h_res_init": "identity"})]
+  cases += [
+    ("hc", {"dynamic": False}),
+    ("mhc", {"dynamic": False, "h_res_init": "identity"}),
+    ("mhc_lite", {"dynamic": False, "h_res_init": "identity"}),
+  ]
   return cases
 
 
@@ -55,11 +61,14 @@ def test_streams_separate_under_training(name, opts, fast_compile):
   testing.check_stream_separation(name, **opts)
 
 
-@pytest.mark.parametrize("opts", [
-    {"phi_init": 0.0, "h_res_init": "uniform"},   # the old init: bit-for-bit symmetric
+@pytest.mark.parametrize(
+  "opts",
+  [
+    {"phi_init": 0.0, "h_res_init": "uniform"},  # the old init: bit-for-bit symmetric
     {"phi_init": 0.0, "h_res_init": "identity"},  # the old init: separates by rounding only
     {"dynamic": False, "h_res_init": "uniform"},  # static J/n mixing, equal writes: symmetric
-])
+  ],
+)
 def test_stream_separation_check_fails_on_symmetric_mixer(opts, fast_compile):
   """Deliberately symmetric mHC configurations: nothing tells the streams apart."""
   with pytest.raises(AssertionError, match="streams stay"):
@@ -69,6 +78,7 @@ def test_stream_separation_check_fails_on_symmetric_mixer(opts, fast_compile):
 def test_mhc_onehot_read_matches_hc_read():
   """pre_init="onehot": σ(b_pre) is READ_INIT on stream layer mod n (HC's one-hot read)."""
   from mhc_jax.mixers.mhc import READ_INIT
+
   for layer in (0, 1, 6):
     mixer = mixers.get("mhc", n=4, pre_init="onehot", dynamic=False)
     x = jnp.ones((1, 2, 4, testing.C))
@@ -142,6 +152,7 @@ def test_mhc_coefficient_ranges():
 
 def test_mhc_lite_permutations_and_limit():
   from mhc_jax.mixers.mhc_lite import permutation_matrices
+
   p = permutation_matrices(4)
   assert p.shape == (24, 4, 4)
   np.testing.assert_array_equal(p[0], np.eye(4))

@@ -3,6 +3,7 @@
 Tolerances: float32 throughout; scan/loop and remat differ only by op ordering (atol 1e-5);
 HC-at-init vs residual differ by the final RMSNorm's eps acting on n·h vs h (atol 1e-4).
 """
+
 import dataclasses
 import functools
 
@@ -13,8 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mhc_jax.model import (Transformer, count_params, expected_params, loop_to_scan, probe_shape,
-                           scan_to_loop)
+from mhc_jax.model import (
+  Transformer,
+  count_params,
+  expected_params,
+  loop_to_scan,
+  probe_shape,
+  scan_to_loop,
+)
 from mhc_jax.model.params import MIXER_KEYS
 from mhc_jax.train.config import ModelConfig
 
@@ -83,16 +90,19 @@ def test_causal():
 
   grad = jax.jit(jax.grad(out_at), static_argnums=1)
   for t in (0, 3, T - 2):
-    g = grad(probes, t)                          # [L, 2, B, T, n, C]
-    assert float(jnp.abs(g[:, :, :, t + 1:]).max()) == 0.0
+    g = grad(probes, t)  # [L, 2, B, T, n, C]
+    assert float(jnp.abs(g[:, :, :, t + 1 :]).max()) == 0.0
     assert float(jnp.abs(g[:, :, :, : t + 1]).max()) > 0.0
 
 
 def test_swapping_mixer_touches_only_mixer_params():
   def non_mixer(p):
     flat = jax.tree_util.tree_leaves_with_path(p)
-    return {jax.tree_util.keystr(k): v.shape for k, v in flat
-            if not any(getattr(e, "key", None) in MIXER_KEYS for e in k)}
+    return {
+      jax.tree_util.keystr(k): v.shape
+      for k, v in flat
+      if not any(getattr(e, "key", None) in MIXER_KEYS for e in k)
+    }
 
   base = non_mixer(init(cfg_for("residual")))
   for mixer in ("hc", "mhc", "mhc_lite"):
@@ -107,6 +117,7 @@ def _copy_non_mixer(src, dst):
     for e in path:
       node = node[e.key]
     return node
+
   return jax.tree_util.tree_map_with_path(pick, dst)
 
 
@@ -129,7 +140,7 @@ def test_probe_gradient_is_dloss_dstream():
   params, loss = init(cfg), loss_fn(cfg)
   probes = jnp.zeros(probe_shape(cfg, B, T))
   g_params, g_probes = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, probes)
-  g_stream = g_probes[0, 0, :, :, 0, :]                      # [B, T, C] entering layer 0
+  g_stream = g_probes[0, 0, :, :, 0, :]  # [B, T, C] entering layer 0
   scattered = jnp.zeros((V, cfg.width)).at[TOKENS].add(g_stream)
   chex.assert_trees_all_close(scattered, g_params["params"]["embedding"], atol=1e-7)
   # A second way for a deep layer: the directional derivative by finite differences.
@@ -140,14 +151,17 @@ def test_probe_gradient_is_dloss_dstream():
   np.testing.assert_allclose(fd, jnp.vdot(g_probes, direction), rtol=2e-2)
 
 
-@pytest.mark.parametrize("mixer,opts,extra", [
+@pytest.mark.parametrize(
+  "mixer,opts,extra",
+  [
     ("residual", {}, {}),
     ("hc", {"n": 4}, {}),
     ("hc", {"n": 2, "dynamic": False}, {"tied_embeddings": False}),
     ("mhc", {"n": 4}, {"qk_norm": True}),
     ("mhc", {"n": 3, "dynamic": False, "collapse": "learned"}, {}),
     ("mhc_lite", {"n": 3}, {"mlp_ratio": 2.0}),
-])
+  ],
+)
 def test_param_counts_match_closed_form(mixer, opts, extra):
   cfg = cfg_for(mixer, mixer_options=opts, **extra)
   assert count_params(init(cfg)) == expected_params(cfg)
@@ -168,10 +182,17 @@ def test_original_mixers_unchanged_by_the_contract_move():
   """residual / hc / mhc / mhc_lite under the generalised contract give the outputs they gave
   before it (tests/data/mixers_before_contract.npz, written by the pre-contract model)."""
   import pathlib
+
   gold = np.load(pathlib.Path(__file__).parent / "data" / "mixers_before_contract.npz")
-  cases = {"residual": {}, "hc": {"n": 4}, "hc_static": {"n": 4, "dynamic": False},
-           "mhc": {"n": 4}, "mhc_uniform": {"n": 4, "h_res_init": "uniform"},
-           "mhc_lite": {"n": 3}, "mhc_learned": {"n": 2, "collapse": "learned"}}
+  cases = {
+    "residual": {},
+    "hc": {"n": 4},
+    "hc_static": {"n": 4, "dynamic": False},
+    "mhc": {"n": 4},
+    "mhc_uniform": {"n": 4, "h_res_init": "uniform"},
+    "mhc_lite": {"n": 3},
+    "mhc_learned": {"n": 2, "collapse": "learned"},
+  }
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 11)
   for key, opts in cases.items():
     mixer = "mhc_lite" if key == "mhc_lite" else key.split("_")[0]
@@ -180,8 +201,13 @@ def test_original_mixers_unchanged_by_the_contract_move():
     params = nn.meta.unbox(m.init(jax.random.PRNGKey(0), tokens))
     logits, aux = jax.jit(m.apply)(params, tokens)
     g = jax.jit(jax.grad(lambda p: jnp.mean(m.apply(p, tokens)[0] ** 2)))(params)
-    got = {"logits": logits, "h_res": aux["stats"]["h_res"], "rms_out": aux["stats"]["rms_out"],
-           "grad_embedding": g["params"]["embedding"]}
+    got = {
+      "logits": logits,
+      "h_res": aux["stats"]["h_res"],
+      "rms_out": aux["stats"]["rms_out"],
+      "grad_embedding": g["params"]["embedding"],
+    }
     for k, v in got.items():
-      np.testing.assert_allclose(np.asarray(v), gold[f"{key}/{k}"], rtol=1e-6, atol=1e-6,
-                                 err_msg=f"{key}/{k}")
+      np.testing.assert_allclose(
+        np.asarray(v), gold[f"{key}/{k}"], rtol=1e-6, atol=1e-6, err_msg=f"{key}/{k}"
+      )

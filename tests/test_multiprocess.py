@@ -2,6 +2,7 @@
 launch/local_multiprocess.sh, train the same run as one process with the same global devices
 (also across a SIGTERM and --resume), agree on one run directory, and only process 0 writes
 the logs."""
+
 from __future__ import annotations
 
 import json
@@ -31,9 +32,16 @@ DEBUG = str(ROOT / "configs" / "debug.yaml")
 # step (one compiled step), an evaluation at the end; no periodic checkpoints (SIGTERM makes
 # the one).
 STEPS = 80  # tiny steps: enough that the run is still going when SIGTERM takes effect
-OVERRIDES = ["mesh.data=1", "mesh.fsdp=2", "mesh.tensor=2", f"train.steps={STEPS}",
-             "train.log_every=1", "train.diag_every=1", f"train.eval_every={STEPS}",
-             "train.ckpt_every=0"]
+OVERRIDES = [
+  "mesh.data=1",
+  "mesh.fsdp=2",
+  "mesh.tensor=2",
+  f"train.steps={STEPS}",
+  "train.log_every=1",
+  "train.diag_every=1",
+  f"train.eval_every={STEPS}",
+  "train.ckpt_every=0",
+]
 KEYS = ("loss", "grad_norm", "param_norm", "gain_fwd", "grad_rms", "eval/loss", "eval/kl_bits")
 
 
@@ -50,12 +58,23 @@ def flat(recs, key):
 def launch(tmp_path, *args) -> subprocess.Popen:
   env = dict(os.environ)
   env.pop("XLA_FLAGS", None)  # the script sets the device count of each process
-  env.update(JAX_PLATFORMS="cpu", MHC_DEVICES_PER_PROCESS="2", MHC_PORT=str(free_port()),
-             MHC_JAX=f"{sys.executable} -m mhc_jax.cli", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-             JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),  # the resume: no compiles
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  return subprocess.Popen(["bash", str(LAUNCH), "2", "train", "--quiet", *args], cwd=tmp_path,
-                          env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  env.update(
+    JAX_PLATFORMS="cpu",
+    MHC_DEVICES_PER_PROCESS="2",
+    MHC_PORT=str(free_port()),
+    MHC_JAX=f"{sys.executable} -m mhc_jax.cli",
+    JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+    JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"),  # the resume: no compiles
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+  )
+  return subprocess.Popen(
+    ["bash", str(LAUNCH), "2", "train", "--quiet", *args],
+    cwd=tmp_path,
+    env=env,
+    text=True,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+  )
 
 
 def last_step(runs_dir: Path) -> int:
@@ -86,8 +105,9 @@ def test_two_processes_train_like_one_and_resume_after_sigterm(tmp_path):
     runs = list(runs_dir.iterdir())
     assert len(runs) == 1, runs  # one run directory for both processes
     run = runs[0]
-    printed = {line.split(": ", 1)[1] for line in out.splitlines()
-               if line.startswith("run directory: ")}
+    printed = {
+      line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("run directory: ")
+    }
     assert printed == {str(run.relative_to(tmp_path))}, out
     assert err.count("SIGTERM at step") == 2, err[-3000:]  # both stopped, at the same step
     summary = json.loads((run / "summary.json").read_text())
@@ -99,8 +119,11 @@ def test_two_processes_train_like_one_and_resume_after_sigterm(tmp_path):
     old = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", True)
     try:
-      train(prepare(load_config(DEBUG, OVERRIDES), devices=jax.devices()[:4]), tmp_path / "one",
-            progress=False)
+      train(
+        prepare(load_config(DEBUG, OVERRIDES), devices=jax.devices()[:4]),
+        tmp_path / "one",
+        progress=False,
+      )
     finally:
       jax.config.update("jax_disable_most_optimizations", old)
     out, err = proc.communicate(timeout=300)
@@ -117,11 +140,21 @@ def test_two_processes_train_like_one_and_resume_after_sigterm(tmp_path):
   assert [r["step"] for r in want] == list(range(STEPS))
   for key in KEYS:
     assert flat(want, key).size and flat(got, key).shape == flat(want, key).shape, key
-    np.testing.assert_allclose(flat(got, key), flat(want, key), rtol=1e-5, atol=1e-7,
-                               err_msg=f"{key} (SIGTERM at step {term_at})")
+    np.testing.assert_allclose(
+      flat(got, key),
+      flat(want, key),
+      rtol=1e-5,
+      atol=1e-7,
+      err_msg=f"{key} (SIGTERM at step {term_at})",
+    )
   assert json.loads((run / "summary.json").read_text())["status"] == "done"
   assert sorted(p.name for p in run.iterdir()) == [
-      "checkpoints", "config.yaml", "events.jsonl", "metrics.jsonl", "summary.json"]
+    "checkpoints",
+    "config.yaml",
+    "events.jsonl",
+    "metrics.jsonl",
+    "summary.json",
+  ]
 
 
 SCRIPTS = ["local_multiprocess.sh", "tpu_pod.sh", "slurm_gpu.sbatch"]

@@ -3,6 +3,7 @@
 The kernel is the ``python3`` kernelspec, checked to start this interpreter (the venv's);
 the notebooks find their data through MHC_SWEEP_DIR / MHC_RUN_DIR.
 """
+
 from __future__ import annotations
 
 import sys
@@ -19,30 +20,41 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.i
 
 
 def test_there_are_three_notebooks():
-  assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_stability_sweep.ipynb",
-                                         "03_bayesian_geometry.ipynb"]
+  assert [p.name for p in NOTEBOOKS] == [
+    "01_quickstart.ipynb",
+    "02_stability_sweep.ipynb",
+    "03_bayesian_geometry.ipynb",
+  ]
 
 
 def _kernel_python() -> str:
   from jupyter_client.manager import KernelManager
+
   km = KernelManager(kernel_name="python3")
   return km.format_kernel_cmd()[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_executes(path, tiny_sweep, monkeypatch, tmp_path):
-  assert Path(_kernel_python()).resolve() == Path(sys.executable).resolve(), \
-      "the python3 kernelspec does not start this interpreter"
+def test_notebook_executes(path, tiny_sweep, monkeypatch, tmp_path):  # noqa: F811
+  assert Path(_kernel_python()).resolve() == Path(sys.executable).resolve(), (
+    "the python3 kernelspec does not start this interpreter"
+  )
   out = tiny_sweep["out"]
   monkeypatch.setenv("MHC_SWEEP_DIR", str(out))
   monkeypatch.setenv("MHC_RUN_DIR", str(out / "runs" / "mixer=mhc"))
   nb = nbformat.read(path, as_version=4)
-  client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                   resources={"metadata": {"path": str(tmp_path)}})
-  client.execute()   # raises CellExecutionError on the first failing cell
-  errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
-            if o.get("output_type") == "error"]
+  client = nbclient.NotebookClient(
+    nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+  )
+  client.execute()  # raises CellExecutionError on the first failing cell
+  errors = [
+    o
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+    if o.get("output_type") == "error"
+  ]
   assert not errors
   images = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
   assert images >= 2

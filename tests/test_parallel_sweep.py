@@ -8,6 +8,7 @@ lock): ``parallel_sweep`` (4 runs, ``--parallel 2``, killed mid-run then re-run)
 ``submitit_sweep`` (2 runs through submitit-local, one job preempted). Their runs are the
 runs of ``test_sweep.tiny_sweep`` (same configs), which is the sequential reference.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -21,37 +22,49 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_sweep import DEBUG, REPO, TINY_STEPS, _shared_dir, _steps, tiny_sweep  # noqa: F401
 
 from mhc_jax import cli, logs
-from mhc_jax.sweep import executor as ex
-from mhc_jax.sweep import grid
+from mhc_jax.sweep import executor as ex, grid
 from mhc_jax.train.config import ConfigError
-from test_sweep import DEBUG, REPO, TINY_STEPS, _shared_dir, _steps, tiny_sweep  # noqa: F401
 
 TIMING = ("tokens_per_s", "step_time_s")
 PLANT = "mixer=mhc_lite@2:abort"
 
 
 def _tiny_file(root: Path, name: str, mixers: list[str], **extra) -> Path:
-  data = {"name": name, "base": DEBUG,
-          "set": {"model.mixer_options": {}, "train.steps": TINY_STEPS, "train.diag_every": 1,
-                  "train.log_every": 1, "train.eval_every": 20, "train.ckpt_every": 10,
-                  "data.eval_batches": 1},
-          "axes": {"model.mixer": mixers}, **extra}
+  data = {
+    "name": name,
+    "base": DEBUG,
+    "set": {
+      "model.mixer_options": {},
+      "train.steps": TINY_STEPS,
+      "train.diag_every": 1,
+      "train.log_every": 1,
+      "train.eval_every": 20,
+      "train.ckpt_every": 10,
+      "data.eval_batches": 1,
+    },
+    "axes": {"model.mixer": mixers},
+    **extra,
+  }
   path = root / f"{name}.yaml"
   path.write_text(yaml.safe_dump(data, sort_keys=False))
   return path
 
 
 # =========================================================================== bad input
-@pytest.mark.parametrize("flags, msg", [
+@pytest.mark.parametrize(
+  "flags, msg",
+  [
     (["--parallel", "0"], "error: --parallel: expected a positive integer, got '0'"),
     (["--parallel", "two"], "error: --parallel: expected a positive integer, got 'two'"),
     (["--parallel", "-1"], "error: --parallel: expected a positive integer, got '-1'"),
     (["--parallel", "1.5"], "error: --parallel: expected a positive integer, got '1.5'"),
     (["--parallel", "2", "--executor", "ray"], "error: --executor: unknown executor 'ray'"),
     (["--parallel", "2", "--coordinator", "h:1"], "error: --coordinator: a parallel sweep"),
-])
+  ],
+)
 def test_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, flags, msg):
   f = _tiny_file(tmp_path, "t", ["residual", "mhc"])
   out = tmp_path / "out"
@@ -61,13 +74,22 @@ def test_bad_flags_exit_2_and_write_nothing(tmp_path, capsys, flags, msg):
   assert not out.exists()
 
 
-@pytest.mark.parametrize("extra, msg", [
+@pytest.mark.parametrize(
+  "extra, msg",
+  [
     ({"parallel": 0}, "parallel: expected a positive integer, got 0"),
     ({"parallel": "many"}, "parallel: expected a positive integer, got 'many'"),
     ({"executor": {"kind": "pbs"}}, "executor.kind: unknown executor 'pbs'"),
-    ({"executor": {"kind": "slurm", "slurm_partitio": "gpu"}}, "executor.slurm_partitio: not a submitit"),
-    ({"executor": {"kind": "process", "timeout_min": 5}}, "executor.timeout_min: the process executor"),
-])
+    (
+      {"executor": {"kind": "slurm", "slurm_partitio": "gpu"}},
+      "executor.slurm_partitio: not a submitit",
+    ),
+    (
+      {"executor": {"kind": "process", "timeout_min": 5}},
+      "executor.timeout_min: the process executor",
+    ),
+  ],
+)
 def test_bad_sweep_file_settings(tmp_path, capsys, extra, msg):
   f = _tiny_file(tmp_path, "t", ["residual"], **extra)
   out = tmp_path / "out"
@@ -78,7 +100,7 @@ def test_bad_sweep_file_settings(tmp_path, capsys, extra, msg):
 
 
 def test_slurm_without_sbatch_is_bad_input(tmp_path, capsys, monkeypatch):
-  monkeypatch.setenv("PATH", str(tmp_path))   # no sbatch anywhere
+  monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch anywhere
   f = _tiny_file(tmp_path, "t", ["residual"])
   assert cli.main(["sweep", str(f), "--out", str(tmp_path / "o"), "--executor", "slurm"]) == 2
   assert "error: --executor slurm: sbatch not found" in capsys.readouterr().err
@@ -86,20 +108,33 @@ def test_slurm_without_sbatch_is_bad_input(tmp_path, capsys, monkeypatch):
 
 
 def test_mesh_is_checked_against_one_workers_devices(tmp_path):
-  sw = grid.load_sweep(_tiny_file(tmp_path, "t", ["residual", "mhc"], set={
-      "model.mixer_options": {}, "mesh.data": 4}))
+  sw = grid.load_sweep(
+    _tiny_file(tmp_path, "t", ["residual", "mhc"], set={"model.mixer_options": {}, "mesh.data": 4})
+  )
   ex.check_runs(sw, 4)
-  with pytest.raises(ConfigError, match=r"^run mixer=residual: mesh.*each of the parallel workers "
-                                        r"has 2 device"):
+  with pytest.raises(
+    ConfigError,
+    match=r"^run mixer=residual: mesh.*each of the parallel workers "
+    r"has 2 device",
+  ):
     ex.check_runs(sw, 2)
 
 
 def test_sweep_file_parallel_setting_is_read(tmp_path):
-  sw = grid.load_sweep(_tiny_file(tmp_path, "t", ["residual"], parallel=3,
-                                  executor={"kind": "submitit-local", "timeout_min": 30}))
+  sw = grid.load_sweep(
+    _tiny_file(
+      tmp_path,
+      "t",
+      ["residual"],
+      parallel=3,
+      executor={"kind": "submitit-local", "timeout_min": 30},
+    )
+  )
   assert sw.options == {"parallel": 3, "executor": {"kind": "submitit-local", "timeout_min": 30}}
-  assert ex.executor_options(sw.options["executor"], None) == ("submitit-local",
-                                                                {"timeout_min": 30})
+  assert ex.executor_options(sw.options["executor"], None) == (
+    "submitit-local",
+    {"timeout_min": 30},
+  )
   assert ex.executor_options(sw.options["executor"], "process") == ("process", {})  # flag wins
   assert grid.load_sweep(_tiny_file(tmp_path, "u", ["residual"])).options == {}
 
@@ -109,13 +144,18 @@ def test_gpu_slots_split_the_visible_gpus():
   slots = ex.make_slots(2, "gpu", ["0", "1", "2", "3"])
   assert [s.env["CUDA_VISIBLE_DEVICES"] for s in slots] == ["0,1", "2,3"]
   assert [s.n_devices for s in slots] == [2, 2]
-  assert [s.env["CUDA_VISIBLE_DEVICES"] for s in ex.make_slots(3, "gpu", list("0123"))] == \
-      ["0", "1", "2"]
+  assert [s.env["CUDA_VISIBLE_DEVICES"] for s in ex.make_slots(3, "gpu", list("0123"))] == [
+    "0",
+    "1",
+    "2",
+  ]
   with pytest.raises(ConfigError, match="--parallel: 3 runs at once need at least 3 GPUs"):
     ex.make_slots(3, "gpu", ["0", "1"])
   # detection reads CUDA_VISIBLE_DEVICES without starting CUDA
-  assert ex.detect_devices({"CUDA_VISIBLE_DEVICES": "4,6", "JAX_PLATFORMS": ""}) == ("gpu",
-                                                                                     ["4", "6"])
+  assert ex.detect_devices({"CUDA_VISIBLE_DEVICES": "4,6", "JAX_PLATFORMS": ""}) == (
+    "gpu",
+    ["4", "6"],
+  )
   assert ex.detect_devices({"JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "0"})[0] == "cpu"
 
 
@@ -132,13 +172,15 @@ def test_tpu_slots_get_their_own_chips_and_ports():
 def test_cpu_slots_keep_the_device_count_and_pin_on_request():
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   slots = ex.make_slots(2, "cpu", ["0", "1"], env)
-  assert [s.n_devices for s in slots] == [8, 8]   # what a sequential run's mesh spans
+  assert [s.n_devices for s in slots] == [8, 8]  # what a sequential run's mesh spans
   assert [s.cpus for s in slots] == [None, None]  # same thread pool as a sequential run
   pin = {**env, "MHC_SWEEP_PIN_CPUS": "1"}
   assert [s.cpus for s in ex.make_slots(2, "cpu", ["0", "1"], pin)] == [[0], [1]]
   assert [s.cpus for s in ex.make_slots(3, "cpu", ["0", "1"], pin)] == [[0], [1], [0]]
-  assert [s.cpus for s in ex.make_slots(2, "cpu", list("0123"), {"MHC_SWEEP_PIN_CPUS": "1"})] == \
-      [[0, 1], [2, 3]]
+  assert [s.cpus for s in ex.make_slots(2, "cpu", list("0123"), {"MHC_SWEEP_PIN_CPUS": "1"})] == [
+    [0, 1],
+    [2, 3],
+  ]
   assert ex.make_slots(1, "cpu", ["0"], {})[0].n_devices == 1
 
 
@@ -169,15 +211,20 @@ def _mid_run(out: Path, name: str):
     steps = _steps(rdir / "metrics.jsonl")
   except (OSError, ValueError):
     return None
-  if info.get("status") == "running" and info.get("owner") and ck and steps \
-     and max(steps) > min(ck):
+  if (
+    info.get("status") == "running" and info.get("owner") and ck and steps and max(steps) > min(ck)
+  ):
     return info["owner"]["pid"], sorted(ck)
   return None
 
 
 def _env(root: Path, **extra) -> dict:
-  return dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root.parent / "tiny_sweep" / "jax_cache"),
-              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5", **extra)
+  return dict(
+    os.environ,
+    JAX_COMPILATION_CACHE_DIR=str(root.parent / "tiny_sweep" / "jax_cache"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+    **extra,
+  )
 
 
 def _build_parallel(root: Path) -> dict:
@@ -186,6 +233,7 @@ def _build_parallel(root: Path) -> dict:
   env = _env(root, **{"MHC_SWEEP_PLANT": PLANT})
   cmd = [sys.executable, "-m", "mhc_jax.cli", "sweep", str(f), "--out", str(out), "--parallel", "2"]
   rec: dict = {"out": str(out)}
+
   # 1. two workers at once; when mixer=residual is past a checkpoint (hc, slower, still
   #    running), the sweep command and residual's worker are SIGKILLed: hc's worker lives on
   def victim_mid_run():
@@ -195,25 +243,36 @@ def _build_parallel(root: Path) -> dict:
   with open(root / "first.log", "w") as log:
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     try:
-      pid, ckpts = _wait_for(victim_mid_run, 600, "mixer=residual never got past a checkpoint "
-                                                  "while mixer=hc ran")
+      pid, ckpts = _wait_for(
+        victim_mid_run, 600, "mixer=residual never got past a checkpoint while mixer=hc ran"
+      )
     finally:
       p.kill()
       p.wait()
     os.kill(pid, signal.SIGKILL)
     m = _manifest(out)
-    rec["at_kill"] = {"status": {n: i["status"] for n, i in m["runs"].items()}, "ckpts": ckpts,
-                      "victim_pid": pid}
+    rec["at_kill"] = {
+      "status": {n: i["status"] for n, i in m["runs"].items()},
+      "ckpts": ckpts,
+      "victim_pid": pid,
+    }
   rec["first_out"] = (root / "first.log").read_text()
   # 2. the orphaned worker finishes its run and records it with nobody watching
-  _wait_for(lambda: _manifest(out)["runs"]["mixer=hc"]["status"] in ("done", "failed"),
-            600, "the orphaned hc worker did not finish")
+  _wait_for(
+    lambda: _manifest(out)["runs"]["mixer=hc"]["status"] in ("done", "failed"),
+    600,
+    "the orphaned hc worker did not finish",
+  )
   rec["after_orphan"] = _manifest(out)["runs"]["mixer=hc"]
   # 3. the next invocation: resumes hc, trains mhc; mhc_lite crashes (planted abort)
   t0 = time.time()
   r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-  rec["second"] = {"rc": r.returncode, "out": r.stdout, "err": r.stderr[-3000:],
-                   "s": time.time() - t0}
+  rec["second"] = {
+    "rc": r.returncode,
+    "out": r.stdout,
+    "err": r.stderr[-3000:],
+    "s": time.time() - t0,
+  }
   return rec
 
 
@@ -241,8 +300,9 @@ def _same_logs(a: Path, b: Path) -> None:
   assert [r["step"] for r in ra] == list(range(TINY_STEPS))
   assert [r["loss"] for r in ra] == [r["loss"] for r in rb]
   for x, y in zip(ra, rb):
-    assert {k: v for k, v in x.items() if k not in TIMING} == \
-        {k: v for k, v in y.items() if k not in TIMING}
+    assert {k: v for k, v in x.items() if k not in TIMING} == {
+      k: v for k, v in y.items() if k not in TIMING
+    }
 
 
 @pytest.mark.slow
@@ -259,7 +319,11 @@ def test_planted_crash_fails_alone_and_the_report_marks_it(parallel_sweep):
   assert second["rc"] == 1, second
   m = _manifest(out)
   assert {n: i["status"] for n, i in m["runs"].items()} == {
-      "mixer=residual": "done", "mixer=hc": "done", "mixer=mhc": "done", "mixer=mhc_lite": "failed"}
+    "mixer=residual": "done",
+    "mixer=hc": "done",
+    "mixer=mhc": "done",
+    "mixer=mhc_lite": "failed",
+  }
   err = m["runs"]["mixer=mhc_lite"]["error"]
   assert "killed by SIGABRT" in err and "planted crash (abort) at step 2" in err, err
   assert "1 run(s) failed: mixer=mhc_lite" in second["out"]
@@ -303,15 +367,29 @@ def test_progress_lines_while_it_runs(parallel_sweep):
 def _build_submitit(root: Path) -> dict:
   f = _tiny_file(root, "tinysub", ["residual", "mhc"])
   out = root / "sweep"
-  cmd = [sys.executable, "-m", "mhc_jax.cli", "sweep", str(f), "--out", str(out), "--parallel",
-         "2", "--executor", "submitit-local"]
+  cmd = [
+    sys.executable,
+    "-m",
+    "mhc_jax.cli",
+    "sweep",
+    str(f),
+    "--out",
+    str(out),
+    "--parallel",
+    "2",
+    "--executor",
+    "submitit-local",
+  ]
   rec: dict = {"out": str(out)}
   with open(root / "sweep.log", "w") as log:
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(root), cwd=REPO)
     try:
-      pid, ckpts = _wait_for(lambda: p.poll() is None and _mid_run(out, "mixer=mhc"), 600,
-                             "mixer=mhc never got past a checkpoint")
-      os.kill(pid, signal.SIGUSR2)    # what submitit/SLURM send ahead of a preemption
+      pid, ckpts = _wait_for(
+        lambda: p.poll() is None and _mid_run(out, "mixer=mhc"),
+        600,
+        "mixer=mhc never got past a checkpoint",
+      )
+      os.kill(pid, signal.SIGUSR2)  # what submitit/SLURM send ahead of a preemption
       rec["preempted"] = {"pid": pid, "ckpts": ckpts}
       rec["rc"] = p.wait(timeout=900)
     finally:
@@ -332,14 +410,16 @@ def test_submitit_local_sweep_requeues_and_resumes(submitit_sweep, tiny_sweep): 
   out = submitit_sweep["out"]
   assert submitit_sweep["rc"] == 0, submitit_sweep["log"][-3000:]
   m = _manifest(out)
-  assert {n: i["status"] for n, i in m["runs"].items()} == {"mixer=residual": "done",
-                                                             "mixer=mhc": "done"}
+  assert {n: i["status"] for n, i in m["runs"].items()} == {
+    "mixer=residual": "done",
+    "mixer=mhc": "done",
+  }
   # the preempted job saved a checkpoint, gave its run back, was requeued and resumed it
   mhc = m["runs"]["mixer=mhc"]
   assert mhc["attempts"] == 2 and mhc["resumed_from"] >= max(submitit_sweep["preempted"]["ckpts"])
   assert f"mixer=mhc: resuming from step {mhc['resumed_from']}" in submitit_sweep["log"]
   assert m["runs"]["mixer=residual"]["attempts"] == 1
-  for name in ("mixer=residual", "mixer=mhc"):    # logs complete, each step once, as sequential
+  for name in ("mixer=residual", "mixer=mhc"):  # logs complete, each step once, as sequential
     _same_logs(out / "runs" / name, tiny_sweep["out"] / "runs" / name)
   job_logs = "".join(p.read_text(errors="replace") for p in (out / "submitit").rglob("*.out"))
   assert "Requeued job" in job_logs or "requeue" in job_logs.lower()

@@ -9,6 +9,7 @@ loss and grad norm to rtol 1e-5 (the lr is a traced value instead of a compile-t
 so float rounding may differ in the last bits); members of ``bad`` reproduce ``pop``'s members
 to rtol 1e-6.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -34,11 +35,19 @@ NAMES = [f"lr={lr:g}" for lr in LRS]
 def _sweep(root: Path, name: str, lrs, pop: bool) -> Path:
   # The plain residual compiles fastest; eval only in the populations (exercises the vmapped
   # eval; it does not touch training).
-  data = {"name": name, "base": str(REPO / "configs" / "debug.yaml"),
-          "set": {"train.steps": STEPS, "train.diag_every": 1, "train.log_every": 1,
-                  "train.ckpt_every": 4, "train.eval_every": 4 if pop else 0,
-                  "data.eval_batches": 1},
-          "axes": {"optim.lr": lrs}}
+  data = {
+    "name": name,
+    "base": str(REPO / "configs" / "debug.yaml"),
+    "set": {
+      "train.steps": STEPS,
+      "train.diag_every": 1,
+      "train.log_every": 1,
+      "train.ckpt_every": 4,
+      "train.eval_every": 4 if pop else 0,
+      "data.eval_batches": 1,
+    },
+    "axes": {"optim.lr": lrs},
+  }
   if pop:
     data["population"] = ["optim.lr"]
   f = root / f"{name}.yaml"
@@ -80,7 +89,8 @@ def sweeps(tmp_path_factory):
       (root / "record.json").write_text(json.dumps(_build(root)))
     rec = json.loads((root / "record.json").read_text())
   assert {k: rec[k] for k in ("pop", "sep", "bad", "pop_resume")} == dict.fromkeys(
-      ("pop", "sep", "bad", "pop_resume"), 0)
+    ("pop", "sep", "bad", "pop_resume"), 0
+  )
   return {"root": root, "record": rec, **{k: root / k for k in ("pop", "sep", "bad", "pop_resume")}}
 
 
@@ -121,7 +131,9 @@ def test_nonfinite_member_leaves_the_others_alone(sweeps):
     a = _series(sweeps["bad"] / "runs" / name, "loss")
     np.testing.assert_allclose(a, _series(sweeps["pop"] / "runs" / name, "loss"), rtol=1e-6)
     np.testing.assert_allclose(a, _series(sweeps["sep"] / "runs" / name, "loss"), rtol=1e-5)
-    assert json.loads((sweeps["bad"] / "runs" / name / "summary.json").read_text())["nonfinite"] == 0
+    assert (
+      json.loads((sweeps["bad"] / "runs" / name / "summary.json").read_text())["nonfinite"] == 0
+    )
   # lr 1e30: the first real update (step 1) blows the parameters up; from then on every
   # gradient is NaN and every update is skipped (the loss sits at ln V, uniform output)
   bad = sweeps["bad"] / "runs" / "lr=1e+30"
@@ -137,9 +149,10 @@ def test_nonfinite_member_leaves_the_others_alone(sweeps):
   events = logs.read_jsonl(bad / "events.jsonl")
   assert [e["kind"] for e in events].count("nonfinite") == summ["nonfinite"]
   assert [(e["step"], e["reason"]) for e in events if e["kind"] == "divergence"] == [
-      (6, "nonfinite")]
+    (6, "nonfinite")
+  ]
   assert not [e for e in events if e["kind"].startswith("spike/")]  # not also spikes
-  assert sweeps["record"]["programs_of_4"] == 1   # one compiled program for both populations
+  assert sweeps["record"]["programs_of_4"] == 1  # one compiled program for both populations
 
 
 @pytest.mark.slow
@@ -150,15 +163,17 @@ def test_population_resumes_from_a_common_checkpoint(sweeps):
   for name in NAMES:
     rdir = out / "runs" / name
     assert [r["step"] for r in logs.read_jsonl(rdir / "metrics.jsonl")] == list(range(STEPS))
-    np.testing.assert_allclose(_series(rdir, "loss"), _series(sweeps["pop"] / "runs" / name, "loss"),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      _series(rdir, "loss"), _series(sweeps["pop"] / "runs" / name, "loss"), rtol=1e-6
+    )
 
 
 def test_members_must_share_everything_but_the_population_keys(tmp_path):
   sw = grid.load_sweep(_sweep(tmp_path, "x", LRS[:2], True))
   cfgs = [r.cfg for r in sw.runs]
-  population.check_members(cfgs)   # lr differs: fine
+  population.check_members(cfgs)  # lr differs: fine
   import dataclasses
+
   other = dataclasses.replace(cfgs[1], model=dataclasses.replace(cfgs[1].model, depth=2))
   with pytest.raises(ConfigError, match=r"^model.depth: population members differ"):
     population.check_members([cfgs[0], other])

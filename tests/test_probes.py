@@ -9,237 +9,248 @@ from mhc_jax import probes
 
 
 def test_key_orthogonality_known_geometries():
-    rng = np.random.default_rng(0)
-    ids = np.repeat(np.arange(4), 25)
-    orth = np.eye(16)[ids] + 0.02 * rng.normal(size=(100, 16))
-    r = probes.key_orthogonality(orth, ids)
-    assert r["cos"].shape == (4, 4) and list(r["hypotheses"]) == [0, 1, 2, 3]
-    assert r["mean_abs_cos"] < 0.02 and r["within_cos"] > 0.99
-    np.testing.assert_allclose(np.diag(r["cos"]), 1.0)
-    # two hypotheses 60 degrees apart: cosine exactly 0.5
-    a, b = np.array([1.0, 0.0]), np.array([0.5, np.sqrt(3) / 2])
-    r = probes.key_orthogonality(np.stack([a, a, b]), np.array([7, 7, 9]))
-    assert r["mean_abs_cos"] == pytest.approx(0.5) and r["max_abs_cos"] == pytest.approx(0.5)
-    # a shared offset hides orthogonality; centring removes it: simplex cosines -1/(H-1)
-    shifted = 5.0 + np.eye(16)[ids]
-    assert probes.key_orthogonality(shifted, ids)["mean_abs_cos"] > 0.9
-    c = probes.key_orthogonality(shifted, ids, center=True)["cos"]
-    np.testing.assert_allclose(c[~np.eye(4, dtype=bool)], -1 / 3, atol=1e-9)
-    with pytest.raises(ValueError):
-        probes.key_orthogonality(orth, np.zeros(100, int))
+  rng = np.random.default_rng(0)
+  ids = np.repeat(np.arange(4), 25)
+  orth = np.eye(16)[ids] + 0.02 * rng.normal(size=(100, 16))
+  r = probes.key_orthogonality(orth, ids)
+  assert r["cos"].shape == (4, 4) and list(r["hypotheses"]) == [0, 1, 2, 3]
+  assert r["mean_abs_cos"] < 0.02 and r["within_cos"] > 0.99
+  np.testing.assert_allclose(np.diag(r["cos"]), 1.0)
+  # two hypotheses 60 degrees apart: cosine exactly 0.5
+  a, b = np.array([1.0, 0.0]), np.array([0.5, np.sqrt(3) / 2])
+  r = probes.key_orthogonality(np.stack([a, a, b]), np.array([7, 7, 9]))
+  assert r["mean_abs_cos"] == pytest.approx(0.5) and r["max_abs_cos"] == pytest.approx(0.5)
+  # a shared offset hides orthogonality; centring removes it: simplex cosines -1/(H-1)
+  shifted = 5.0 + np.eye(16)[ids]
+  assert probes.key_orthogonality(shifted, ids)["mean_abs_cos"] > 0.9
+  c = probes.key_orthogonality(shifted, ids, center=True)["cos"]
+  np.testing.assert_allclose(c[~np.eye(4, dtype=bool)], -1 / 3, atol=1e-9)
+  with pytest.raises(ValueError):
+    probes.key_orthogonality(orth, np.zeros(100, int))
 
 
 def test_qk_alignment_sharpens_with_evidence():
-    rng = np.random.default_rng(1)
-    want = np.array([0.1, 0.3, 0.5, 0.7, 0.9])
-    ev = np.repeat(np.arange(5), 40)
-    k = rng.normal(size=(200, 8))
-    perp = rng.normal(size=(200, 8))
-    perp -= np.sum(perp * k, -1, keepdims=True) / np.sum(k * k, -1, keepdims=True) * k
-    ku, pu = k / np.linalg.norm(k, axis=-1, keepdims=True), perp / np.linalg.norm(perp, axis=-1, keepdims=True)
-    c = want[ev][:, None]
-    q = 3.0 * (c * ku + np.sqrt(1 - c**2) * pu)  # cos(q, k) = want[evidence] exactly
-    r = probes.qk_alignment_by_evidence(q, k, ev)
-    np.testing.assert_allclose(r["alignment"], want, atol=1e-9)
-    np.testing.assert_array_equal(r["count"], 40)
-    assert r["slope"] == pytest.approx(0.2)
-    assert r["slope_raw"] == pytest.approx(0.2)
-    r = probes.qk_alignment_by_evidence(q, k, ev, num_groups=7)
-    assert np.isnan(r["alignment"][5:]).all() and r["count"][5:].sum() == 0
-    # sharpening within every distance survives conditioning on distance
-    dist = rng.integers(1, 6, size=200)
-    r = probes.qk_alignment_by_evidence(q, k, ev, distance=dist)
-    assert r["slope"] == pytest.approx(0.2, abs=0.01) and r["distance_groups"] == 5
+  rng = np.random.default_rng(1)
+  want = np.array([0.1, 0.3, 0.5, 0.7, 0.9])
+  ev = np.repeat(np.arange(5), 40)
+  k = rng.normal(size=(200, 8))
+  perp = rng.normal(size=(200, 8))
+  perp -= np.sum(perp * k, -1, keepdims=True) / np.sum(k * k, -1, keepdims=True) * k
+  ku, pu = (
+    k / np.linalg.norm(k, axis=-1, keepdims=True),
+    perp / np.linalg.norm(perp, axis=-1, keepdims=True),
+  )
+  c = want[ev][:, None]
+  q = 3.0 * (c * ku + np.sqrt(1 - c**2) * pu)  # cos(q, k) = want[evidence] exactly
+  r = probes.qk_alignment_by_evidence(q, k, ev)
+  np.testing.assert_allclose(r["alignment"], want, atol=1e-9)
+  np.testing.assert_array_equal(r["count"], 40)
+  assert r["slope"] == pytest.approx(0.2)
+  assert r["slope_raw"] == pytest.approx(0.2)
+  r = probes.qk_alignment_by_evidence(q, k, ev, num_groups=7)
+  assert np.isnan(r["alignment"][5:]).all() and r["count"][5:].sum() == 0
+  # sharpening within every distance survives conditioning on distance
+  dist = rng.integers(1, 6, size=200)
+  r = probes.qk_alignment_by_evidence(q, k, ev, distance=dist)
+  assert r["slope"] == pytest.approx(0.2, abs=0.01) and r["distance_groups"] == 5
 
 
 def test_pca_leading_component_tracks_entropy():
-    rng = np.random.default_rng(2)
-    h = rng.uniform(0, 3, size=400)
-    u = rng.normal(size=12)
-    u /= np.linalg.norm(u)
-    r = probes.pca_vs_entropy(np.outer(h, u) + 7.0, h, k=3)  # rank one (plus an offset)
-    np.testing.assert_allclose(r["explained_variance_ratio"], [1, 0, 0], atol=1e-9)
-    assert r["abs_corr_pc1_entropy"] == pytest.approx(1.0)
-    np.testing.assert_allclose(abs(r["components"][0] @ u), 1.0)
-    noisy = np.outer(h, u) * 4 + rng.normal(size=(400, 12)) * 0.1
-    r = probes.pca_vs_entropy(noisy, h, k=3)
-    assert r["explained_variance_ratio"][0] > 0.95 and r["abs_corr_pc1_entropy"] > 0.99
-    assert r["projections"].shape == (400, 3) and abs(r["corr_entropy"][1]) < 0.2
-    # entropy unrelated to the dominant direction: PC1 does not track it
-    r = probes.pca_vs_entropy(noisy, rng.uniform(0, 3, size=400))
-    assert r["abs_corr_pc1_entropy"] < 0.2
+  rng = np.random.default_rng(2)
+  h = rng.uniform(0, 3, size=400)
+  u = rng.normal(size=12)
+  u /= np.linalg.norm(u)
+  r = probes.pca_vs_entropy(np.outer(h, u) + 7.0, h, k=3)  # rank one (plus an offset)
+  np.testing.assert_allclose(r["explained_variance_ratio"], [1, 0, 0], atol=1e-9)
+  assert r["abs_corr_pc1_entropy"] == pytest.approx(1.0)
+  np.testing.assert_allclose(abs(r["components"][0] @ u), 1.0)
+  noisy = np.outer(h, u) * 4 + rng.normal(size=(400, 12)) * 0.1
+  r = probes.pca_vs_entropy(noisy, h, k=3)
+  assert r["explained_variance_ratio"][0] > 0.95 and r["abs_corr_pc1_entropy"] > 0.99
+  assert r["projections"].shape == (400, 3) and abs(r["corr_entropy"][1]) < 0.2
+  # entropy unrelated to the dominant direction: PC1 does not track it
+  r = probes.pca_vs_entropy(noisy, rng.uniform(0, 3, size=400))
+  assert r["abs_corr_pc1_entropy"] < 0.2
 
 
 def _rope(x, pos, base=10000.0):
-    """numpy twin of mhc_jax.model.layers.rope (rotate-half) at explicit positions: x [N, D]."""
-    d = x.shape[-1]
-    inv = 1.0 / base ** (np.arange(0, d, 2) / d)
-    ang = np.asarray(pos, float)[:, None] * inv[None, :]
-    x1, x2 = x[:, : d // 2], x[:, d // 2 :]
-    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x1 * np.sin(ang) + x2 * np.cos(ang)], -1)
+  """numpy twin of mhc_jax.model.layers.rope (rotate-half) at explicit positions: x [N, D]."""
+  d = x.shape[-1]
+  inv = 1.0 / base ** (np.arange(0, d, 2) / d)
+  ang = np.asarray(pos, float)[:, None] * inv[None, :]
+  x1, x2 = x[:, : d // 2], x[:, d // 2 :]
+  return np.concatenate(
+    [x1 * np.cos(ang) - x2 * np.sin(ang), x1 * np.sin(ang) + x2 * np.cos(ang)], -1
+  )
 
 
 def test_rope_twin_matches_the_model():
-    import jax.numpy as jnp
+  import jax.numpy as jnp
 
-    from mhc_jax.model.layers import rope
-    x = np.random.default_rng(0).normal(size=(1, 12, 1, 8)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(rope(jnp.asarray(x)))[0, :, 0], _rope(x[0, :, 0], np.arange(12)),
-                               atol=1e-5)
+  from mhc_jax.model.layers import rope
+
+  x = np.random.default_rng(0).normal(size=(1, 12, 1, 8)).astype(np.float32)
+  np.testing.assert_allclose(
+    np.asarray(rope(jnp.asarray(x)))[0, :, 0], _rope(x[0, :, 0], np.arange(12)), atol=1e-5
+  )
 
 
 def test_counterexample_qk_alignment_rope_and_distance():
-    """Content alignment constant in evidence; distance grows with evidence. The old probe (cosine
-    after RoPE, slope against evidence) reports 'alignment changes with evidence'; reading q, k
-    before RoPE and conditioning on distance reports no slope."""
-    rng = np.random.default_rng(4)
-    N, D = 3000, 16
-    ev = rng.integers(0, 12, size=N)
-    dist = 2 * ev + 1 + 2 * rng.integers(0, 3, size=N)  # distance rises with evidence
-    t_q = 40 + dist + rng.integers(0, 8, size=N)
-    t_k = t_q - dist
-    k = rng.normal(size=(N, D))
-    q = k + 0.5 * rng.normal(size=(N, D))  # cos(q, k) ~ 0.9 whatever the evidence
-    old = probes.qk_alignment_by_evidence(_rope(q, t_q), _rope(k, t_k), ev)
-    new = probes.qk_alignment_by_evidence(q, k, ev, distance=dist)
-    assert abs(old["slope"]) > 0.01  # a spurious trend with evidence
-    assert abs(new["slope"]) < 0.003 and abs(new["slope_raw"]) < 0.003
-    # without RoPE but a content cosine that depends on distance only: conditioning removes it
-    c = np.clip(0.95 - 0.02 * dist, 0, 1)[:, None]
-    perp = rng.normal(size=(N, D))
-    perp -= np.sum(perp * k, -1, keepdims=True) / np.sum(k * k, -1, keepdims=True) * k
-    q2 = c * probes._unit(k) + np.sqrt(1 - c**2) * probes._unit(perp)
-    r = probes.qk_alignment_by_evidence(q2, k, ev, distance=dist)
-    assert r["slope_raw"] < -0.02 and abs(r["slope"]) < 1e-9
-    assert np.nanmax(r["alignment_adjusted"]) - np.nanmin(r["alignment_adjusted"]) < 1e-9
+  """Content alignment constant in evidence; distance grows with evidence. The old probe (cosine
+  after RoPE, slope against evidence) reports 'alignment changes with evidence'; reading q, k
+  before RoPE and conditioning on distance reports no slope."""
+  rng = np.random.default_rng(4)
+  N, D = 3000, 16
+  ev = rng.integers(0, 12, size=N)
+  dist = 2 * ev + 1 + 2 * rng.integers(0, 3, size=N)  # distance rises with evidence
+  t_q = 40 + dist + rng.integers(0, 8, size=N)
+  t_k = t_q - dist
+  k = rng.normal(size=(N, D))
+  q = k + 0.5 * rng.normal(size=(N, D))  # cos(q, k) ~ 0.9 whatever the evidence
+  old = probes.qk_alignment_by_evidence(_rope(q, t_q), _rope(k, t_k), ev)
+  new = probes.qk_alignment_by_evidence(q, k, ev, distance=dist)
+  assert abs(old["slope"]) > 0.01  # a spurious trend with evidence
+  assert abs(new["slope"]) < 0.003 and abs(new["slope_raw"]) < 0.003
+  # without RoPE but a content cosine that depends on distance only: conditioning removes it
+  c = np.clip(0.95 - 0.02 * dist, 0, 1)[:, None]
+  perp = rng.normal(size=(N, D))
+  perp -= np.sum(perp * k, -1, keepdims=True) / np.sum(k * k, -1, keepdims=True) * k
+  q2 = c * probes._unit(k) + np.sqrt(1 - c**2) * probes._unit(perp)
+  r = probes.qk_alignment_by_evidence(q2, k, ev, distance=dist)
+  assert r["slope_raw"] < -0.02 and abs(r["slope"]) < 1e-9
+  assert np.nanmax(r["alignment_adjusted"]) - np.nanmin(r["alignment_adjusted"]) < 1e-9
 
 
 def test_counterexample_key_orthogonality_random_reference():
-    """Unstructured keys in 64 dimensions: the old probe reports a small |cos| between hypotheses
-    (reads as 'nearly orthogonal'); against random directions the ratio is ~1 (no effect)."""
-    rng = np.random.default_rng(5)
-    ids = np.repeat(np.arange(20), 30)
-    keys = rng.normal(size=(600, 64))
-    r = probes.key_orthogonality(keys, ids, center=True)
-    assert r["mean_abs_cos"] < 0.15  # old definition: looks orthogonal
-    assert 0.8 < r["ratio_to_random"] < 1.25  # new: no more orthogonal than chance
-    assert r["random_mean_abs_cos"] == pytest.approx(np.sqrt(2 / (np.pi * 64)), rel=0.15)
-    # real structure: orthogonal content per hypothesis is far below chance before RoPE; RoPE at
-    # random positions hides it (why callers read keys before RoPE)
-    content = 3 * np.eye(64)[2 * ids] + 0.3 * rng.normal(size=(600, 64))
-    pre = probes.key_orthogonality(content, ids, center=True)
-    post = probes.key_orthogonality(_rope(content, rng.integers(0, 400, size=600)), ids, center=True)
-    assert pre["ratio_to_random"] < 0.6 < post["ratio_to_random"]
+  """Unstructured keys in 64 dimensions: the old probe reports a small |cos| between hypotheses
+  (reads as 'nearly orthogonal'); against random directions the ratio is ~1 (no effect)."""
+  rng = np.random.default_rng(5)
+  ids = np.repeat(np.arange(20), 30)
+  keys = rng.normal(size=(600, 64))
+  r = probes.key_orthogonality(keys, ids, center=True)
+  assert r["mean_abs_cos"] < 0.15  # old definition: looks orthogonal
+  assert 0.8 < r["ratio_to_random"] < 1.25  # new: no more orthogonal than chance
+  assert r["random_mean_abs_cos"] == pytest.approx(np.sqrt(2 / (np.pi * 64)), rel=0.15)
+  # real structure: orthogonal content per hypothesis is far below chance before RoPE; RoPE at
+  # random positions hides it (why callers read keys before RoPE)
+  content = 3 * np.eye(64)[2 * ids] + 0.3 * rng.normal(size=(600, 64))
+  pre = probes.key_orthogonality(content, ids, center=True)
+  post = probes.key_orthogonality(_rope(content, rng.integers(0, 400, size=600)), ids, center=True)
+  assert pre["ratio_to_random"] < 0.6 < post["ratio_to_random"]
 
 
 def _bijection_like(rng, n_seq=400, V=20, n_pairs=16):
-    """Positions, 'seen before' flags and posterior entropies of bijection queries (with
-    replacement), flattened over sequences."""
-    pos, seen, ent = [], [], []
-    for _ in range(n_seq):
-        revealed = set()
-        for i, key in enumerate(rng.integers(0, V, size=n_pairs)):
-            s = key in revealed
-            pos.append(1 + 2 * i)
-            seen.append(s)
-            ent.append(0.0 if s else np.log2(V - len(revealed)))
-            revealed.add(key)
-    return np.array(pos), np.array(seen), np.array(ent)
+  """Positions, 'seen before' flags and posterior entropies of bijection queries (with
+  replacement), flattened over sequences."""
+  pos, seen, ent = [], [], []
+  for _ in range(n_seq):
+    revealed = set()
+    for i, key in enumerate(rng.integers(0, V, size=n_pairs)):
+      s = key in revealed
+      pos.append(1 + 2 * i)
+      seen.append(s)
+      ent.append(0.0 if s else np.log2(V - len(revealed)))
+      revealed.add(key)
+  return np.array(pos), np.array(seen), np.array(ent)
 
 
 def test_counterexample_pca_entropy_position_and_seen_flag():
-    """States that encode only the position and the 'seen before' flag: the old probe (all
-    supervised positions, nothing partialled out) finds PC1 strongly correlated with the entropy;
-    within new-key positions with position partialled out the correlation is ~0. A state that
-    does carry the entropy beyond position is still found."""
-    rng = np.random.default_rng(6)
-    pos, seen, ent = _bijection_like(rng)
-    D = 24
-    u, w, z = np.eye(D)[0], np.eye(D)[1], np.eye(D)[2]
-    noise = 0.3 * rng.normal(size=(len(pos), D))
-    blind = 0.1 * pos[:, None] * u + 4.0 * seen[:, None] * w + noise
-    old = probes.pca_vs_entropy(blind, ent)
-    assert old["abs_corr_pc1_entropy"] > 0.6  # spurious
-    new = ~seen
-    r = probes.pca_vs_entropy(blind[new], ent[new], strata=pos[new])
-    assert r["entropy_std"] > 0.05  # entropy does vary within a position ...
-    assert np.max(np.abs(r["corr_entropy"])) < 0.15  # ... but these states do not track it
-    aware = blind + 10.0 * ent[:, None] * z
-    r = probes.pca_vs_entropy(aware[new], ent[new], strata=pos[new])
-    assert r["abs_corr_pc1_entropy"] > 0.7
+  """States that encode only the position and the 'seen before' flag: the old probe (all
+  supervised positions, nothing partialled out) finds PC1 strongly correlated with the entropy;
+  within new-key positions with position partialled out the correlation is ~0. A state that
+  does carry the entropy beyond position is still found."""
+  rng = np.random.default_rng(6)
+  pos, seen, ent = _bijection_like(rng)
+  D = 24
+  u, w, z = np.eye(D)[0], np.eye(D)[1], np.eye(D)[2]
+  noise = 0.3 * rng.normal(size=(len(pos), D))
+  blind = 0.1 * pos[:, None] * u + 4.0 * seen[:, None] * w + noise
+  old = probes.pca_vs_entropy(blind, ent)
+  assert old["abs_corr_pc1_entropy"] > 0.6  # spurious
+  new = ~seen
+  r = probes.pca_vs_entropy(blind[new], ent[new], strata=pos[new])
+  assert r["entropy_std"] > 0.05  # entropy does vary within a position ...
+  assert np.max(np.abs(r["corr_entropy"])) < 0.15  # ... but these states do not track it
+  aware = blind + 10.0 * ent[:, None] * z
+  r = probes.pca_vs_entropy(aware[new], ent[new], strata=pos[new])
+  assert r["abs_corr_pc1_entropy"] > 0.7
 
 
 def test_partial_out_removes_strata_and_covariates():
-    rng = np.random.default_rng(7)
-    g = rng.integers(0, 5, size=500)
-    x = rng.normal(size=500)
-    y = 3.0 * g**2 + 2.0 * x + 0.1 * rng.normal(size=500)
-    r = probes.partial_out(y, strata=g, covariates=x[:, None])
-    assert np.std(r) < 0.15
-    for s in range(5):
-        assert abs(r[g == s].mean()) < 1e-9
+  rng = np.random.default_rng(7)
+  g = rng.integers(0, 5, size=500)
+  x = rng.normal(size=500)
+  y = 3.0 * g**2 + 2.0 * x + 0.1 * rng.normal(size=500)
+  r = probes.partial_out(y, strata=g, covariates=x[:, None])
+  assert np.std(r) < 0.15
+  for s in range(5):
+    assert abs(r[g == s].mean()) < 1e-9
 
 
 def _mix_series(rng, C, shape):
-    """Attention rows moving from A0 to A1 at a constant total-variation rate."""
-    A0 = rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
-    A1 = rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
-    return np.stack([(1 - c / C) * A0 + (c / C) * A1 for c in range(C)])
+  """Attention rows moving from A0 to A1 at a constant total-variation rate."""
+  A0 = rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
+  A1 = rng.dirichlet(np.ones(shape[-1]), size=shape[:-1])
+  return np.stack([(1 - c / C) * A0 + (c / C) * A1 for c in range(C)])
 
 
 def _rotating_values(rng, C, n, norms):
-    """n vectors in 8 dimensions rotating by a constant angle per checkpoint, with given norms."""
-    e1 = probes._unit(rng.normal(size=(n, 8)))
-    e2 = rng.normal(size=(n, 8))
-    e2 = probes._unit(e2 - np.sum(e2 * e1, -1, keepdims=True) * e1)
-    th = 0.1
-    return np.stack([norms[c] * (np.cos(c * th) * e1 + np.sin(c * th) * e2) for c in range(C)])
+  """n vectors in 8 dimensions rotating by a constant angle per checkpoint, with given norms."""
+  e1 = probes._unit(rng.normal(size=(n, 8)))
+  e2 = rng.normal(size=(n, 8))
+  e2 = probes._unit(e2 - np.sum(e2 * e1, -1, keepdims=True) * e1)
+  th = 0.1
+  return np.stack([norms[c] * (np.cos(c * th) * e1 + np.sin(c * th) * e2) for c in range(C)])
 
 
 def test_drift_attention_settles_first():
-    rng = np.random.default_rng(3)
-    C = 8
-    A0, A1 = rng.dirichlet(np.ones(16), size=(4, 16)), rng.dirichlet(np.ones(16), size=(4, 16))
-    w = np.cumsum([0] + [0.3**c for c in range(C - 1)])  # attention moves less and less
-    attn = np.stack([(1 - w[c] / w[-1]) * A0 + w[c] / w[-1] * A1 for c in range(C)])
-    vals = _rotating_values(rng, C, 64, np.ones(C))  # values keep turning at a constant rate
-    r = probes.drift(attn, vals)
-    assert r["attn_drift"].shape == (C - 1,) and r["value_drift"].shape == (C - 1,)
-    assert r["attn_fall"] == pytest.approx(0.3 ** (C - 2), rel=1e-6)
-    assert r["value_fall"] == pytest.approx(1.0, rel=1e-6)
-    np.testing.assert_allclose(r["value_drift"], 0.1, rtol=1e-6)
-    assert r["attention_settles_first"] and r["attn_half"] == 1 and r["value_half"] == C - 1
-    assert not probes.drift(_mix_series(rng, C, (4, 16, 16)), vals)["attention_settles_first"]
-    with pytest.raises(ValueError, match="5 checkpoints"):
-        probes.drift(attn[:4], vals[:4])
-    with pytest.raises(ValueError, match="steps"):
-        probes.drift(attn, vals, steps=[0, 1, 2, 3, 3, 5, 6, 7])
+  rng = np.random.default_rng(3)
+  C = 8
+  A0, A1 = rng.dirichlet(np.ones(16), size=(4, 16)), rng.dirichlet(np.ones(16), size=(4, 16))
+  w = np.cumsum([0] + [0.3**c for c in range(C - 1)])  # attention moves less and less
+  attn = np.stack([(1 - w[c] / w[-1]) * A0 + w[c] / w[-1] * A1 for c in range(C)])
+  vals = _rotating_values(rng, C, 64, np.ones(C))  # values keep turning at a constant rate
+  r = probes.drift(attn, vals)
+  assert r["attn_drift"].shape == (C - 1,) and r["value_drift"].shape == (C - 1,)
+  assert r["attn_fall"] == pytest.approx(0.3 ** (C - 2), rel=1e-6)
+  assert r["value_fall"] == pytest.approx(1.0, rel=1e-6)
+  np.testing.assert_allclose(r["value_drift"], 0.1, rtol=1e-6)
+  assert r["attention_settles_first"] and r["attn_half"] == 1 and r["value_half"] == C - 1
+  assert not probes.drift(_mix_series(rng, C, (4, 16, 16)), vals)["attention_settles_first"]
+  with pytest.raises(ValueError, match="5 checkpoints"):
+    probes.drift(attn[:4], vals[:4])
+  with pytest.raises(ValueError, match="steps"):
+    probes.drift(attn, vals, steps=[0, 1, 2, 3, 3, 5, 6, 7])
 
 
 def test_counterexample_drift_norms_and_spacing():
-    """Nothing settles (attention and value directions change at constant rates per step), but
-    the value norms shrink: the old norm-based drift reads that as values still moving while
-    attention settles ('attention settles first'); the new norm-free rates do not. Likewise
-    unevenly spaced checkpoints make per-interval drift grow where the per-step rate is flat."""
-    rng = np.random.default_rng(8)
-    C = 6
-    attn = _mix_series(rng, C, (4, 16, 16))
-    vals = _rotating_values(rng, C, 64, norms=np.linspace(6.0, 1.0, C))
-    old_a, old_v = probes.relative_drift(attn), probes.relative_drift(vals)
-    assert old_a[-1] / old_a[0] < old_v[-1] / old_v[0]  # old: "attention settles first"
-    assert old_v[-1] / old_v[0] > 2
-    r = probes.drift(attn, vals)
-    assert not r["attention_settles_first"]
-    assert r["attn_fall"] == pytest.approx(1.0, rel=1e-6) and r["value_fall"] == pytest.approx(1.0, rel=1e-6)
-    # checkpoints at steps 100, 200, 400, 800, 1600, 3200 with a constant change per step
-    steps = 100 * 2 ** np.arange(C)
-    frac = (steps - steps[0]) / (steps[-1] - steps[0])
-    A0, A1 = attn[0], attn[-1]
-    attn_t = np.stack([(1 - f) * A0 + f * A1 for f in frac])
-    ang = 1e-4 * (steps - steps[0])
-    e1, e2 = np.eye(8)[0], np.eye(8)[1]
-    vals_t = np.stack([np.cos(a) * e1 + np.sin(a) * e2 for a in ang])[:, None, :]
-    assert probes.relative_drift(attn_t)[-1] > 8 * probes.relative_drift(attn_t)[0]  # old: rising
-    r = probes.drift(attn_t, vals_t, steps=steps)
-    assert r["attn_fall"] == pytest.approx(1.0, rel=1e-6) and r["value_fall"] == pytest.approx(1.0, rel=1e-4)
-    np.testing.assert_allclose(r["value_drift"], 0.1, rtol=1e-4)  # radians per 1000 steps
+  """Nothing settles (attention and value directions change at constant rates per step), but
+  the value norms shrink: the old norm-based drift reads that as values still moving while
+  attention settles ('attention settles first'); the new norm-free rates do not. Likewise
+  unevenly spaced checkpoints make per-interval drift grow where the per-step rate is flat."""
+  rng = np.random.default_rng(8)
+  C = 6
+  attn = _mix_series(rng, C, (4, 16, 16))
+  vals = _rotating_values(rng, C, 64, norms=np.linspace(6.0, 1.0, C))
+  old_a, old_v = probes.relative_drift(attn), probes.relative_drift(vals)
+  assert old_a[-1] / old_a[0] < old_v[-1] / old_v[0]  # old: "attention settles first"
+  assert old_v[-1] / old_v[0] > 2
+  r = probes.drift(attn, vals)
+  assert not r["attention_settles_first"]
+  assert r["attn_fall"] == pytest.approx(1.0, rel=1e-6) and r["value_fall"] == pytest.approx(
+    1.0, rel=1e-6
+  )
+  # checkpoints at steps 100, 200, 400, 800, 1600, 3200 with a constant change per step
+  steps = 100 * 2 ** np.arange(C)
+  frac = (steps - steps[0]) / (steps[-1] - steps[0])
+  A0, A1 = attn[0], attn[-1]
+  attn_t = np.stack([(1 - f) * A0 + f * A1 for f in frac])
+  ang = 1e-4 * (steps - steps[0])
+  e1, e2 = np.eye(8)[0], np.eye(8)[1]
+  vals_t = np.stack([np.cos(a) * e1 + np.sin(a) * e2 for a in ang])[:, None, :]
+  assert probes.relative_drift(attn_t)[-1] > 8 * probes.relative_drift(attn_t)[0]  # old: rising
+  r = probes.drift(attn_t, vals_t, steps=steps)
+  assert r["attn_fall"] == pytest.approx(1.0, rel=1e-6) and r["value_fall"] == pytest.approx(
+    1.0, rel=1e-4
+  )
+  np.testing.assert_allclose(r["value_drift"], 0.1, rtol=1e-4)  # radians per 1000 steps

@@ -1,4 +1,5 @@
 """Sweep report (mhc_jax.sweep.report / plots) on synthetic run directories (tests/fixtures_logs.py)."""
+
 import html
 import json
 import math
@@ -12,16 +13,16 @@ from fixtures_logs import make_sweep, raw_records, write_run
 
 from mhc_jax.sweep import plots
 from mhc_jax.sweep.report import (
-    COLUMN_DOCS,
-    COMPOSITE_SENTENCES,
-    GROUP_METRICS,
-    LATER_COLUMNS,
-    _axis_columns,
-    finding,
-    lr_sensitivity_table,
-    summarize_run,
-    summary_table,
-    write_report,
+  COLUMN_DOCS,
+  COMPOSITE_SENTENCES,
+  GROUP_METRICS,
+  LATER_COLUMNS,
+  _axis_columns,
+  finding,
+  lr_sensitivity_table,
+  summarize_run,
+  summary_table,
+  write_report,
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -31,212 +32,254 @@ DIVERGED = "hc_L4_C32_lr0.03_s0"  # NaN loss from step 75, halted
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    root = make_sweep(tmp_path_factory.mktemp("sweep"), failed_empty=True)
-    return root, write_report(root)
+  root = make_sweep(tmp_path_factory.mktemp("sweep"), failed_empty=True)
+  return root, write_report(root)
 
 
 def _same(a, b):
-    if isinstance(a, float) and math.isnan(a):
-        return isinstance(b, float) and math.isnan(b)
-    return a == pytest.approx(b, rel=1e-12)
+  if isinstance(a, float) and math.isnan(a):
+    return isinstance(b, float) and math.isnan(b)
+  return a == pytest.approx(b, rel=1e-12)
 
 
 # =========================================================================== the table
 def test_one_row_per_run_with_axes_and_columns(sweep):
-    root, _ = sweep
-    manifest = json.loads((root / "manifest.json").read_text())["runs"]
-    df = summary_table(root)
-    assert sorted(df["run"]) == sorted(manifest)
-    assert list(df.columns[:4]) == ["run", "mixer", "depth", "lr"]  # axes, shortened
-    assert {"width", "seed"} <= set(df.columns)  # from config.yaml, not axes
-    assert list(df.columns[-len(COLUMN_DOCS):]) == list(COLUMN_DOCS)
-    assert df.attrs["axes"] == {"model.mixer": "mixer", "model.depth": "depth", "optim.lr": "lr"}
-    for name, info in manifest.items():
-        row = df[df["run"] == name].iloc[0]
-        assert row["status"] == info["status"]
-        assert row["mixer"] == info["overrides"]["model.mixer"]
-    assert df["depth"].dtype == "Int64" and df["width"].dtype == "Int64"
+  root, _ = sweep
+  manifest = json.loads((root / "manifest.json").read_text())["runs"]
+  df = summary_table(root)
+  assert sorted(df["run"]) == sorted(manifest)
+  assert list(df.columns[:4]) == ["run", "mixer", "depth", "lr"]  # axes, shortened
+  assert {"width", "seed"} <= set(df.columns)  # from config.yaml, not axes
+  assert list(df.columns[-len(COLUMN_DOCS) :]) == list(COLUMN_DOCS)
+  assert df.attrs["axes"] == {"model.mixer": "mixer", "model.depth": "depth", "optim.lr": "lr"}
+  for name, info in manifest.items():
+    row = df[df["run"] == name].iloc[0]
+    assert row["status"] == info["status"]
+    assert row["mixer"] == info["overrides"]["model.mixer"]
+  assert df["depth"].dtype == "Int64" and df["width"].dtype == "Int64"
 
 
 def test_cells_recomputed_from_raw_files(sweep):
-    root, _ = sweep
-    df = summary_table(root).set_index("run")
-    checked = 0
-    for rdir in sorted((root / "runs").iterdir()):
-        if not (rdir / "metrics.jsonl").exists():
-            continue
-        recs = raw_records(rdir / "metrics.jsonl")
-        evs = raw_records(rdir / "events.jsonl")
-        row = df.loc[rdir.name]
-        losses = [r["loss"] for r in recs if "loss" in r]
-        k = max(1, math.ceil(len(losses) / 20))
-        assert _same(row["final_loss"], sum(losses[-k:]) / k)
-        grads = [r["grad_norm"] for r in recs if "grad_norm" in r and not math.isnan(r["grad_norm"])]
-        assert _same(row["max_grad_norm"], max(grads))
-        assert row["spike_count"] == sum(e["kind"].startswith("spike/") for e in evs)
-        whole = [r["amax_fwd_composite"][-1] for r in recs if "amax_fwd_composite" in r]
-        assert _same(row["amax_fwd_composite_max"], max(v for v in whole if not math.isnan(v)))
-        every = [v for r in recs if "amax_bwd_composite" in r for v in r["amax_bwd_composite"] if not math.isnan(v)]
-        assert _same(row["amax_bwd_composite_max_all_layers"], max(every))
-        assert _same(row["kl_bits"], [r["eval/kl_bits"] for r in recs if "eval/kl_bits" in r][-1])
-        assert _same(row["loss_init"], losses[0])
-        assert row["steps"] == max(r["step"] for r in recs)
-        checked += 1
-    assert checked == 18
-    # the planted spike and the diverged run read as such, honestly
-    assert df.loc[SPIKED, "spike_count"] >= 1 and df.loc[SPIKED, "max_grad_norm"] > 5
-    div = df.loc[DIVERGED]
-    assert math.isnan(div["final_loss"]) and div["max_grad_norm"] == math.inf
-    raw = raw_records(root / "runs" / DIVERGED / "events.jsonl")
-    div_step = next(e["step"] for e in raw if e["kind"] == "divergence")
-    assert div["status"] == "failed" and div["nonfinite"] == sum(e["kind"] == "nonfinite" for e in raw) >= 4
-    assert "loss non-finite from step 75" in div["note"] and f"divergence at step {div_step}" in div["note"]
-    assert math.isfinite(div["min_loss"]) and math.isfinite(div["amax_fwd_composite_max"])
+  root, _ = sweep
+  df = summary_table(root).set_index("run")
+  checked = 0
+  for rdir in sorted((root / "runs").iterdir()):
+    if not (rdir / "metrics.jsonl").exists():
+      continue
+    recs = raw_records(rdir / "metrics.jsonl")
+    evs = raw_records(rdir / "events.jsonl")
+    row = df.loc[rdir.name]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    k = max(1, math.ceil(len(losses) / 20))
+    assert _same(row["final_loss"], sum(losses[-k:]) / k)
+    grads = [r["grad_norm"] for r in recs if "grad_norm" in r and not math.isnan(r["grad_norm"])]
+    assert _same(row["max_grad_norm"], max(grads))
+    assert row["spike_count"] == sum(e["kind"].startswith("spike/") for e in evs)
+    whole = [r["amax_fwd_composite"][-1] for r in recs if "amax_fwd_composite" in r]
+    assert _same(row["amax_fwd_composite_max"], max(v for v in whole if not math.isnan(v)))
+    every = [
+      v
+      for r in recs
+      if "amax_bwd_composite" in r
+      for v in r["amax_bwd_composite"]
+      if not math.isnan(v)
+    ]
+    assert _same(row["amax_bwd_composite_max_all_layers"], max(every))
+    assert _same(row["kl_bits"], [r["eval/kl_bits"] for r in recs if "eval/kl_bits" in r][-1])
+    assert _same(row["loss_init"], losses[0])
+    assert row["steps"] == max(r["step"] for r in recs)
+    checked += 1
+  assert checked == 18
+  # the planted spike and the diverged run read as such, honestly
+  assert df.loc[SPIKED, "spike_count"] >= 1 and df.loc[SPIKED, "max_grad_norm"] > 5
+  div = df.loc[DIVERGED]
+  assert math.isnan(div["final_loss"]) and div["max_grad_norm"] == math.inf
+  raw = raw_records(root / "runs" / DIVERGED / "events.jsonl")
+  div_step = next(e["step"] for e in raw if e["kind"] == "divergence")
+  assert (
+    div["status"] == "failed"
+    and div["nonfinite"] == sum(e["kind"] == "nonfinite" for e in raw) >= 4
+  )
+  assert (
+    "loss non-finite from step 75" in div["note"]
+    and f"divergence at step {div_step}" in div["note"]
+  )
+  assert math.isfinite(div["min_loss"]) and math.isfinite(div["amax_fwd_composite_max"])
 
 
 def test_runs_without_metrics_are_listed(sweep):
-    root, _ = sweep
-    df = summary_table(root).set_index("run")
-    for name, status in (("mhc_lite_pending", "pending"), ("mhc_lite_failed", "failed")):
-        row = df.loc[name]
-        assert row["status"] == status and row["steps"] == 0
-        assert math.isnan(row["final_loss"]) and row["spike_count"] is pd.NA
-        assert "no metrics" in row["note"]
-    empty = summarize_run(root / "does_not_exist")
-    assert empty["steps"] == 0 and math.isnan(empty["final_loss"]) and empty["note"]
+  root, _ = sweep
+  df = summary_table(root).set_index("run")
+  for name, status in (("mhc_lite_pending", "pending"), ("mhc_lite_failed", "failed")):
+    row = df.loc[name]
+    assert row["status"] == status and row["steps"] == 0
+    assert math.isnan(row["final_loss"]) and row["spike_count"] is pd.NA
+    assert "no metrics" in row["note"]
+  empty = summarize_run(root / "does_not_exist")
+  assert empty["steps"] == 0 and math.isnan(empty["final_loss"]) and empty["note"]
 
 
 def test_eval_only_record_is_not_a_nan_loss(tmp_path):
-    write_run(tmp_path, steps=40, eval_every=20)
-    with open(tmp_path / "metrics.jsonl", "a") as f:  # a final eval after the last train step
-        f.write(json.dumps({"step": 41, "eval/kl_bits": 0.125}) + "\n")
-    s = summarize_run(tmp_path)
-    assert math.isfinite(s["final_loss"]) and s["kl_bits"] == 0.125 and s["steps"] == 41
+  write_run(tmp_path, steps=40, eval_every=20)
+  with open(tmp_path / "metrics.jsonl", "a") as f:  # a final eval after the last train step
+    f.write(json.dumps({"step": 41, "eval/kl_bits": 0.125}) + "\n")
+  s = summarize_run(tmp_path)
+  assert math.isfinite(s["final_loss"]) and s["kl_bits"] == 0.125 and s["steps"] == 41
 
 
 def test_axis_names_are_shortened_without_collisions():
-    cols = _axis_columns(["model.mixer", "optim.lr", "model.width", "data.width", "train.steps", "model.n_streams"])
-    assert cols == {"model.mixer": "mixer", "optim.lr": "lr", "model.width": "width",
-                    "data.width": "data.width", "train.steps": "train.steps", "model.n_streams": "n_streams"}
+  cols = _axis_columns(
+    ["model.mixer", "optim.lr", "model.width", "data.width", "train.steps", "model.n_streams"]
+  )
+  assert cols == {
+    "model.mixer": "mixer",
+    "optim.lr": "lr",
+    "model.width": "width",
+    "data.width": "data.width",
+    "train.steps": "train.steps",
+    "model.n_streams": "n_streams",
+  }
 
 
 # =========================================================================== the report
 def test_write_report_files(sweep):
-    root, paths = sweep
-    out = root / "report"
-    pngs = sorted(out.glob("*.png"))
-    assert {"loss_curves.png", "grad_norms.png", "amax_vs_depth.png", "lr_sensitivity.png"} <= {p.name for p in pngs}
-    assert len([p for p in pngs if p.name.startswith("heatmap_")]) == 3  # one per mixer with metrics
-    for p in pngs:
-        data = p.read_bytes()
-        assert data[:8] == PNG and len(data) > 8_000, p.name
-    assert {Path(v) for k, v in paths.items() if v.endswith(".png")} == set(pngs)
-    page = (out / "index.html").read_text()
-    assert set(re.findall(r'<img src="([^"]+)"', page)) == {p.name for p in pngs}
-    assert "<table" in page and all(n in page for n in summary_table(root)["run"])
-    assert "lr_sensitivity" in page and "<figcaption>" in page
-    assert (out / "summary.md").read_text().count("\n| ") >= 20
-    assert paths["index_html"] == str(out / "index.html")
+  root, paths = sweep
+  out = root / "report"
+  pngs = sorted(out.glob("*.png"))
+  assert {"loss_curves.png", "grad_norms.png", "amax_vs_depth.png", "lr_sensitivity.png"} <= {
+    p.name for p in pngs
+  }
+  assert len([p for p in pngs if p.name.startswith("heatmap_")]) == 3  # one per mixer with metrics
+  for p in pngs:
+    data = p.read_bytes()
+    assert data[:8] == PNG and len(data) > 8_000, p.name
+  assert {Path(v) for k, v in paths.items() if v.endswith(".png")} == set(pngs)
+  page = (out / "index.html").read_text()
+  assert set(re.findall(r'<img src="([^"]+)"', page)) == {p.name for p in pngs}
+  assert "<table" in page and all(n in page for n in summary_table(root)["run"])
+  assert "lr_sensitivity" in page and "<figcaption>" in page
+  assert (out / "summary.md").read_text().count("\n| ") >= 20
+  assert paths["index_html"] == str(out / "index.html")
 
 
 def test_summary_csv_round_trips(sweep):
-    root, paths = sweep
-    df = summary_table(root)
-    csv = pd.read_csv(paths["summary_csv"])
-    assert list(csv.columns) == list(df.columns) and list(csv["run"]) == list(df["run"])
-    assert list(csv["status"]) == list(df["status"])
-    for c in df.columns:
-        if c in ("run", "mixer", "status", "note"):
-            continue
-        want = df[c].astype("Float64").to_numpy(float, na_value=np.nan)
-        np.testing.assert_array_equal(pd.to_numeric(csv[c]).to_numpy(float), want, err_msg=c)
+  root, paths = sweep
+  df = summary_table(root)
+  csv = pd.read_csv(paths["summary_csv"])
+  assert list(csv.columns) == list(df.columns) and list(csv["run"]) == list(df["run"])
+  assert list(csv["status"]) == list(df["status"])
+  for c in df.columns:
+    if c in ("run", "mixer", "status", "note"):
+      continue
+    want = df[c].astype("Float64").to_numpy(float, na_value=np.nan)
+    np.testing.assert_array_equal(pd.to_numeric(csv[c]).to_numpy(float), want, err_msg=c)
 
 
 def test_page_says_what_is_missing(sweep):
-    root, _ = sweep
-    page = (root / "report" / "index.html").read_text()
-    assert "mhc_lite_pending (pending) has no metrics yet" in page
-    assert "mhc_lite_failed (failed) has no metrics yet" in page
-    assert f"Run {DIVERGED}: final_loss is NaN" in page
-    assert re.search(r'<td class="num bad">inf</td>', page)  # the diverged run's max grad norm
+  root, _ = sweep
+  page = (root / "report" / "index.html").read_text()
+  assert "mhc_lite_pending (pending) has no metrics yet" in page
+  assert "mhc_lite_failed (failed) has no metrics yet" in page
+  assert f"Run {DIVERGED}: final_loss is NaN" in page
+  assert re.search(r'<td class="num bad">inf</td>', page)  # the diverged run's max grad norm
 
 
 def test_no_lr_axis(tmp_path):
-    root = make_sweep(tmp_path, mixers=("residual", "mhc"), depths=(2,), lrs=None, steps=50, spike=None,
-                      diverge=None)
-    df = summary_table(root)
-    assert "lr" in df.columns and "lr" not in df.attrs["axes"].values()  # constant lr from the config
-    assert lr_sensitivity_table(df).empty
-    paths = write_report(root, max_heatmaps=1)
-    assert "lr_sensitivity" not in paths and "lr_sensitivity_csv" not in paths
-    assert not (root / "report" / "lr_sensitivity.png").exists()
-    page = Path(paths["index_html"]).read_text()
-    assert "no learning-rate axis" in page and "mhc_lite_pending (pending) has no metrics yet" in page
-    assert len([k for k in paths if k.startswith("heatmap:")]) == 1
+  root = make_sweep(
+    tmp_path, mixers=("residual", "mhc"), depths=(2,), lrs=None, steps=50, spike=None, diverge=None
+  )
+  df = summary_table(root)
+  assert "lr" in df.columns and "lr" not in df.attrs["axes"].values()  # constant lr from the config
+  assert lr_sensitivity_table(df).empty
+  paths = write_report(root, max_heatmaps=1)
+  assert "lr_sensitivity" not in paths and "lr_sensitivity_csv" not in paths
+  assert not (root / "report" / "lr_sensitivity.png").exists()
+  page = Path(paths["index_html"]).read_text()
+  assert "no learning-rate axis" in page and "mhc_lite_pending (pending) has no metrics yet" in page
+  assert len([k for k in paths if k.startswith("heatmap:")]) == 1
 
 
 def test_single_run_sweep_and_bare_run_dir(tmp_path):
-    root = make_sweep(tmp_path / "one", mixers=("hc",), depths=(3,), lrs=None, steps=60, spike=None,
-                      diverge=("hc", 3, 1e-2, 40), pending=False, wind_tunnel=False)
-    paths = write_report(root, out_dir=tmp_path / "out")
-    df = summary_table(root)
-    assert len(df) == 1 and math.isnan(df["final_loss"][0]) and math.isnan(df["kl_bits"][0])
-    assert {"loss_curves", "grad_norms", "amax_vs_depth"} <= set(paths)
-    assert all(Path(p).parent == tmp_path / "out" for p in paths.values())
-    assert not (root / "report").exists()
-    # a run directory without a manifest is a one-run sweep
-    run_dir = next((root / "runs").iterdir())
-    bare = summary_table(run_dir)
-    assert list(bare["run"]) == [run_dir.name] and bare["status"][0] == "halted"
-    assert bare["steps"][0] == df["steps"][0]
+  root = make_sweep(
+    tmp_path / "one",
+    mixers=("hc",),
+    depths=(3,),
+    lrs=None,
+    steps=60,
+    spike=None,
+    diverge=("hc", 3, 1e-2, 40),
+    pending=False,
+    wind_tunnel=False,
+  )
+  paths = write_report(root, out_dir=tmp_path / "out")
+  df = summary_table(root)
+  assert len(df) == 1 and math.isnan(df["final_loss"][0]) and math.isnan(df["kl_bits"][0])
+  assert {"loss_curves", "grad_norms", "amax_vs_depth"} <= set(paths)
+  assert all(Path(p).parent == tmp_path / "out" for p in paths.values())
+  assert not (root / "report").exists()
+  # a run directory without a manifest is a one-run sweep
+  run_dir = next((root / "runs").iterdir())
+  bare = summary_table(run_dir)
+  assert list(bare["run"]) == [run_dir.name] and bare["status"][0] == "halted"
+  assert bare["steps"][0] == df["steps"][0]
 
 
 # =========================================================================== lr sensitivity
 def test_lr_sensitivity_matches_formula_on_hand_grid():
-    nan = math.nan
-    rows = [  # run, mixer, depth, lr | status, steps, loss_init, final_loss
-        ("a1", "mhc", 2, 1e-3, "done", 100, 2.0, 1.0),
-        ("a2", "mhc", 2, 1e-2, "done", 100, 2.0, 0.5),
-        ("a3", "mhc", 2, 1e-1, "failed", 40, 2.0, nan),  # diverged -> counts as loss_init
-        ("a4", "mhc", 2, 1.0, "pending", 0, nan, nan),  # never ran -> left out
-        ("b1", "hc", 2, 1e-3, "done", 100, 2.2, 3.0),  # above loss_init -> capped
-        ("b2", "hc", 2, 1e-2, "done", 100, 1.8, 0.8),
-        ("b3", "hc", 2, 1e-1, "done", 100, 2.0, 0.9),
-        ("c1", "hc", 4, 1e-2, "done", 100, 2.0, 0.7),  # a single lr: no sensitivity
-    ]
-    df = pd.DataFrame(rows, columns=["run", "mixer", "depth", "lr", "status", "steps", "loss_init", "final_loss"])
-    out = lr_sensitivity_table(df).set_index("mixer")
-    a = out.loc["mhc"]
-    assert a["lr_sensitivity"] == pytest.approx(((1.0 - 0.5) + 0 + (2.0 - 0.5)) / 3)
-    assert a["n_lr"] == 3 and a["n_diverged"] == 1 and a["best_lr"] == 1e-2 and a["loss_init"] == 2.0
-    b = out[out["depth"] == 2].loc["hc"]
-    assert b["loss_init"] == pytest.approx(2.0)  # mean of the group's first losses
-    assert b["lr_sensitivity"] == pytest.approx(((2.0 - 0.8) + 0 + (0.9 - 0.8)) / 3)
-    c = out[out["depth"] == 4].iloc[0]
-    assert c["n_lr"] == 1 and math.isnan(c["lr_sensitivity"])
+  nan = math.nan
+  rows = [  # run, mixer, depth, lr | status, steps, loss_init, final_loss
+    ("a1", "mhc", 2, 1e-3, "done", 100, 2.0, 1.0),
+    ("a2", "mhc", 2, 1e-2, "done", 100, 2.0, 0.5),
+    ("a3", "mhc", 2, 1e-1, "failed", 40, 2.0, nan),  # diverged -> counts as loss_init
+    ("a4", "mhc", 2, 1.0, "pending", 0, nan, nan),  # never ran -> left out
+    ("b1", "hc", 2, 1e-3, "done", 100, 2.2, 3.0),  # above loss_init -> capped
+    ("b2", "hc", 2, 1e-2, "done", 100, 1.8, 0.8),
+    ("b3", "hc", 2, 1e-1, "done", 100, 2.0, 0.9),
+    ("c1", "hc", 4, 1e-2, "done", 100, 2.0, 0.7),  # a single lr: no sensitivity
+  ]
+  df = pd.DataFrame(
+    rows, columns=["run", "mixer", "depth", "lr", "status", "steps", "loss_init", "final_loss"]
+  )
+  out = lr_sensitivity_table(df).set_index("mixer")
+  a = out.loc["mhc"]
+  assert a["lr_sensitivity"] == pytest.approx(((1.0 - 0.5) + 0 + (2.0 - 0.5)) / 3)
+  assert a["n_lr"] == 3 and a["n_diverged"] == 1 and a["best_lr"] == 1e-2 and a["loss_init"] == 2.0
+  b = out[out["depth"] == 2].loc["hc"]
+  assert b["loss_init"] == pytest.approx(2.0)  # mean of the group's first losses
+  assert b["lr_sensitivity"] == pytest.approx(((2.0 - 0.8) + 0 + (0.9 - 0.8)) / 3)
+  c = out[out["depth"] == 4].iloc[0]
+  assert c["n_lr"] == 1 and math.isnan(c["lr_sensitivity"])
 
 
 def test_lr_table_groups_by_other_axes(sweep):
-    root, _ = sweep
-    df = summary_table(root)
-    out = lr_sensitivity_table(df)
-    assert len(out) == 6 and set(out["n_lr"]) == {3}  # 3 mixers x 2 depths; the pending run has no metrics
-    hc4 = out[(out["mixer"] == "hc") & (out["depth"] == 4)].iloc[0]
-    assert hc4["n_diverged"] == 1 and hc4["lr_sensitivity"] > out["lr_sensitivity"].drop(hc4.name).max()
+  root, _ = sweep
+  df = summary_table(root)
+  out = lr_sensitivity_table(df)
+  assert len(out) == 6 and set(out["n_lr"]) == {
+    3
+  }  # 3 mixers x 2 depths; the pending run has no metrics
+  hc4 = out[(out["mixer"] == "hc") & (out["depth"] == 4)].iloc[0]
+  assert (
+    hc4["n_diverged"] == 1 and hc4["lr_sensitivity"] > out["lr_sensitivity"].drop(hc4.name).max()
+  )
 
 
 # =========================================================================== plots
 def test_plots_skip_what_is_not_there(tmp_path):
-    runs = pd.DataFrame({"run": ["x"], "mixer": ["hc"], "depth": [2], "status": ["done"], "steps": [3]})
-    metrics = pd.DataFrame({"run": ["x"] * 3, "step": [1, 2, 3], "loss": [math.nan, math.inf, math.nan]})
-    events = pd.DataFrame(columns=["run", "step", "kind", "value"])
-    assert plots.loss_curves(metrics, runs, events, tmp_path / "l.png") is None
-    assert plots.composite_gain_vs_depth(metrics, runs, tmp_path / "a.png") is None
-    assert plots.pick_heatmap_runs(metrics, runs) == []
-    assert not list(tmp_path.iterdir())
-    colors = plots.mixer_colors(["zeta", "mhc", "residual", "alpha"])
-    assert list(colors) == ["residual", "mhc", "alpha", "zeta"]
-    assert colors == plots.mixer_colors(["alpha", "zeta", "mhc", "residual"])  # order-independent
+  runs = pd.DataFrame(
+    {"run": ["x"], "mixer": ["hc"], "depth": [2], "status": ["done"], "steps": [3]}
+  )
+  metrics = pd.DataFrame(
+    {"run": ["x"] * 3, "step": [1, 2, 3], "loss": [math.nan, math.inf, math.nan]}
+  )
+  events = pd.DataFrame(columns=["run", "step", "kind", "value"])
+  assert plots.loss_curves(metrics, runs, events, tmp_path / "l.png") is None
+  assert plots.composite_gain_vs_depth(metrics, runs, tmp_path / "a.png") is None
+  assert plots.pick_heatmap_runs(metrics, runs) == []
+  assert not list(tmp_path.iterdir())
+  colors = plots.mixer_colors(["zeta", "mhc", "residual", "alpha"])
+  assert list(colors) == ["residual", "mhc", "alpha", "zeta"]
+  assert colors == plots.mixer_colors(["alpha", "zeta", "mhc", "residual"])  # order-independent
 
 
 # =========================================================================== seeds, intervals
@@ -245,214 +288,329 @@ SEEDS = (0, 1, 2)
 
 @pytest.fixture(scope="module")
 def seeded(tmp_path_factory):
-    root = make_sweep(tmp_path_factory.mktemp("seeded"), mixers=("residual", "hc", "mhc"), depths=(2, 4), lrs=None,
-                      seeds=SEEDS, steps=60, spike=None, diverge=None, pending=False)
-    return root, write_report(root)
+  root = make_sweep(
+    tmp_path_factory.mktemp("seeded"),
+    mixers=("residual", "hc", "mhc"),
+    depths=(2, 4),
+    lrs=None,
+    seeds=SEEDS,
+    steps=60,
+    spike=None,
+    diverge=None,
+    pending=False,
+  )
+  return root, write_report(root)
 
 
 def _final_loss_raw(run_dir):
-    losses = [r["loss"] for r in raw_records(run_dir / "metrics.jsonl") if "loss" in r]
-    k = max(1, math.ceil(len(losses) / 20))
-    return sum(losses[-k:]) / k
+  losses = [r["loss"] for r in raw_records(run_dir / "metrics.jsonl") if "loss" in r]
+  k = max(1, math.ceil(len(losses) / 20))
+  return sum(losses[-k:]) / k
 
 
 def _whole_depth_max_raw(run_dir, metric):
-    return max(r[metric][-1] for r in raw_records(run_dir / "metrics.jsonl") if metric in r)
+  return max(r[metric][-1] for r in raw_records(run_dir / "metrics.jsonl") if metric in r)
 
 
 def test_groups_csv_interval_recomputed_from_raw_logs(seeded):
-    from test_stats import ref_ci  # the stdlib-only Student t reference
+  from test_stats import ref_ci  # the stdlib-only Student t reference
 
-    root, paths = seeded
-    groups = pd.read_csv(paths["groups_csv"])
-    for m in GROUP_METRICS:
-        assert {f"{m}_mean", f"{m}_ci_lo", f"{m}_ci_hi"} <= set(groups.columns), m
-    assert len(groups) == 6 and set(groups["n_seeds"]) == {3} and "seed" not in groups.columns
-    row = groups[(groups["mixer"] == "hc") & (groups["depth"] == 4)].iloc[0]
-    runs = [root / "runs" / f"hc_L4_C32_lr0.01_s{s}" for s in SEEDS]
-    want = ref_ci([_final_loss_raw(r) for r in runs])
-    assert (row["final_loss_mean"], row["final_loss_ci_lo"], row["final_loss_ci_hi"]) == pytest.approx(want, rel=1e-4)
-    assert row["final_loss_ci_lo"] < row["final_loss_mean"] < row["final_loss_ci_hi"]
-    want = ref_ci([_whole_depth_max_raw(r, "amax_bwd_composite_tok_mean") for r in runs])
-    got = tuple(row[f"amax_bwd_composite_tok_mean_max_{s}"] for s in ("mean", "ci_lo", "ci_hi"))
-    assert got == pytest.approx(want, rel=1e-4)
+  root, paths = seeded
+  groups = pd.read_csv(paths["groups_csv"])
+  for m in GROUP_METRICS:
+    assert {f"{m}_mean", f"{m}_ci_lo", f"{m}_ci_hi"} <= set(groups.columns), m
+  assert len(groups) == 6 and set(groups["n_seeds"]) == {3} and "seed" not in groups.columns
+  row = groups[(groups["mixer"] == "hc") & (groups["depth"] == 4)].iloc[0]
+  runs = [root / "runs" / f"hc_L4_C32_lr0.01_s{s}" for s in SEEDS]
+  want = ref_ci([_final_loss_raw(r) for r in runs])
+  assert (
+    row["final_loss_mean"],
+    row["final_loss_ci_lo"],
+    row["final_loss_ci_hi"],
+  ) == pytest.approx(want, rel=1e-4)
+  assert row["final_loss_ci_lo"] < row["final_loss_mean"] < row["final_loss_ci_hi"]
+  want = ref_ci([_whole_depth_max_raw(r, "amax_bwd_composite_tok_mean") for r in runs])
+  got = tuple(row[f"amax_bwd_composite_tok_mean_max_{s}"] for s in ("mean", "ci_lo", "ci_hi"))
+  assert got == pytest.approx(want, rel=1e-4)
 
 
 def test_paired_csv_recomputed_from_raw_logs(seeded):
-    from test_stats import ref_ci
+  from test_stats import ref_ci
 
-    root, paths = seeded
-    paired = pd.read_csv(paths["paired_csv"])
-    assert {"mixer_a", "mixer_b", "metric", "n_pairs", "diff_mean", "diff_ci_lo", "diff_ci_hi"} <= set(paired.columns)
-    assert set(zip(paired["mixer_a"], paired["mixer_b"])) == {("residual", "hc"), ("residual", "mhc"), ("hc", "mhc")}
-    row = paired[(paired["depth"] == 2) & (paired["mixer_a"] == "hc") & (paired["mixer_b"] == "mhc")
-                 & (paired["metric"] == "final_loss")].iloc[0]
-    diffs = [_final_loss_raw(root / "runs" / f"mhc_L2_C32_lr0.01_s{s}")
-             - _final_loss_raw(root / "runs" / f"hc_L2_C32_lr0.01_s{s}") for s in SEEDS]
-    assert row["n_pairs"] == 3
-    assert (row["diff_mean"], row["diff_ci_lo"], row["diff_ci_hi"]) == pytest.approx(ref_ci(diffs), rel=1e-4)
+  root, paths = seeded
+  paired = pd.read_csv(paths["paired_csv"])
+  assert {
+    "mixer_a",
+    "mixer_b",
+    "metric",
+    "n_pairs",
+    "diff_mean",
+    "diff_ci_lo",
+    "diff_ci_hi",
+  } <= set(paired.columns)
+  assert set(zip(paired["mixer_a"], paired["mixer_b"])) == {
+    ("residual", "hc"),
+    ("residual", "mhc"),
+    ("hc", "mhc"),
+  }
+  row = paired[
+    (paired["depth"] == 2)
+    & (paired["mixer_a"] == "hc")
+    & (paired["mixer_b"] == "mhc")
+    & (paired["metric"] == "final_loss")
+  ].iloc[0]
+  diffs = [
+    _final_loss_raw(root / "runs" / f"mhc_L2_C32_lr0.01_s{s}")
+    - _final_loss_raw(root / "runs" / f"hc_L2_C32_lr0.01_s{s}")
+    for s in SEEDS
+  ]
+  assert row["n_pairs"] == 3
+  assert (row["diff_mean"], row["diff_ci_lo"], row["diff_ci_hi"]) == pytest.approx(
+    ref_ci(diffs), rel=1e-4
+  )
 
 
 def test_seed_sections_on_the_page(seeded):
-    root, paths = seeded
-    page = Path(paths["index_html"]).read_text()
-    assert "Groups over seeds" in page and "Student t" in page and 'href="groups.csv"' in page
-    assert "Paired differences between mixers" in page and 'href="paired.csv"' in page
-    md = Path(paths["summary_md"]).read_text()
-    assert re.search(r"\| hc \| 4 \| .*\| 3 \| [0-9.]+ \[[0-9.]+, [0-9.]+\]", md)  # mean [lo, hi] cells
+  root, paths = seeded
+  page = Path(paths["index_html"]).read_text()
+  assert "Groups over seeds" in page and "Student t" in page and 'href="groups.csv"' in page
+  assert "Paired differences between mixers" in page and 'href="paired.csv"' in page
+  md = Path(paths["summary_md"]).read_text()
+  assert re.search(
+    r"\| hc \| 4 \| .*\| 3 \| [0-9.]+ \[[0-9.]+, [0-9.]+\]", md
+  )  # mean [lo, hi] cells
 
 
 def _capture(monkeypatch):
-    figs = []
-    real = plots._save
+  figs = []
+  real = plots._save
 
-    def keep(fig, path, dpi):
-        figs.append([(len(ax.collections), len(ax.get_lines())) for ax in fig.axes])
-        return real(fig, path, dpi)
+  def keep(fig, path, dpi):
+    figs.append([(len(ax.collections), len(ax.get_lines())) for ax in fig.axes])
+    return real(fig, path, dpi)
 
-    monkeypatch.setattr(plots, "_save", keep)
-    return figs
+  monkeypatch.setattr(plots, "_save", keep)
+  return figs
 
 
 def _plot_inputs(root):
-    from mhc_jax.logs import load_run
+  from mhc_jax.logs import load_run
 
-    runs = summary_table(root)
-    frames = [load_run(d).assign(run=n) for n, d in runs.attrs["run_dirs"].items()
-              if (Path(d) / "metrics.jsonl").exists()]
-    for f in frames:
-        f.attrs = {}
-    events = pd.DataFrame(columns=["run", "step", "kind", "value"])
-    return pd.concat(frames, ignore_index=True), runs, events
+  runs = summary_table(root)
+  frames = [
+    load_run(d).assign(run=n)
+    for n, d in runs.attrs["run_dirs"].items()
+    if (Path(d) / "metrics.jsonl").exists()
+  ]
+  for f in frames:
+    f.attrs = {}
+  events = pd.DataFrame(columns=["run", "step", "kind", "value"])
+  return pd.concat(frames, ignore_index=True), runs, events
 
 
 def test_plots_draw_bands_over_seeds(seeded, tmp_path, monkeypatch):
-    figs = _capture(monkeypatch)
-    metrics, runs, events = _plot_inputs(seeded[0])
-    assert plots.loss_curves(metrics, runs, events, tmp_path / "l.png")
-    assert plots.composite_gain_vs_depth(metrics, runs, tmp_path / "a.png")
-    loss_axes, amax_axes = figs
-    for n_coll, n_lines in loss_axes:  # one panel per depth: 3 mixers -> 3 bands and 3 mean lines, not 9
-        assert n_coll == 3 and n_lines == 3
-    assert all(n_coll >= 3 for n_coll, _ in amax_axes)  # a band per mixer (and per composite kind)
-    # without seeds: single lines, no bands
-    root = make_sweep(tmp_path / "one_seed", mixers=("residual", "hc"), depths=(2,), lrs=None, steps=30, spike=None,
-                      diverge=None, pending=False)
-    metrics, runs, events = _plot_inputs(root)
-    assert plots.loss_curves(metrics, runs, events, tmp_path / "l1.png")
-    assert figs[-1] == [(0, 2)]
+  figs = _capture(monkeypatch)
+  metrics, runs, events = _plot_inputs(seeded[0])
+  assert plots.loss_curves(metrics, runs, events, tmp_path / "l.png")
+  assert plots.composite_gain_vs_depth(metrics, runs, tmp_path / "a.png")
+  loss_axes, amax_axes = figs
+  for (
+    n_coll,
+    n_lines,
+  ) in loss_axes:  # one panel per depth: 3 mixers -> 3 bands and 3 mean lines, not 9
+    assert n_coll == 3 and n_lines == 3
+  assert all(n_coll >= 3 for n_coll, _ in amax_axes)  # a band per mixer (and per composite kind)
+  # without seeds: single lines, no bands
+  root = make_sweep(
+    tmp_path / "one_seed",
+    mixers=("residual", "hc"),
+    depths=(2,),
+    lrs=None,
+    steps=30,
+    spike=None,
+    diverge=None,
+    pending=False,
+  )
+  metrics, runs, events = _plot_inputs(root)
+  assert plots.loss_curves(metrics, runs, events, tmp_path / "l1.png")
+  assert figs[-1] == [(0, 2)]
 
 
 # =========================================================================== per-token composite, old logs
 def test_per_token_and_averaged_composite_side_by_side(seeded):
-    root, paths = seeded
-    df = summary_table(root).set_index("run")
-    cols = list(df.columns)
-    i = cols.index("amax_fwd_composite_max")
-    assert cols[i:i + 3] == ["amax_fwd_composite_max", "amax_fwd_composite_tok_mean_max",
-                             "amax_fwd_composite_tok_max_max"]
-    run = root / "runs" / "hc_L4_C32_lr0.01_s1"
-    row = df.loc[run.name]
-    for col, metric in [("amax_fwd_composite_tok_mean_max", "amax_fwd_composite_tok_mean"),
-                        ("amax_bwd_composite_tok_max_max", "amax_bwd_composite_tok_max"),
-                        ("amax_fwd_composite_max", "amax_fwd_composite")]:
-        assert _same(row[col], _whole_depth_max_raw(run, metric)), col
-    recs = raw_records(run / "metrics.jsonl")
-    amin = [r["amin_bwd_composite"][-1] for r in recs if "amin_bwd_composite" in r]
-    assert _same(row["amin_bwd_composite_min"], min(amin))
-    suffix = [v for r in recs if "amax_fwd_suffix" in r for v in r["amax_fwd_suffix"]]
-    assert _same(row["amax_fwd_suffix_max_all_layers"], max(suffix))
-    assert row["amax_fwd_composite_tok_mean_max"] > row["amax_fwd_composite_max"]  # what averaging hides
-    page = Path(paths["index_html"]).read_text()
-    for sentence in COMPOSITE_SENTENCES.values():
-        assert html.escape(sentence) in page
-    assert "per-token" in Path(paths["summary_md"]).read_text()
+  root, paths = seeded
+  df = summary_table(root).set_index("run")
+  cols = list(df.columns)
+  i = cols.index("amax_fwd_composite_max")
+  assert cols[i : i + 3] == [
+    "amax_fwd_composite_max",
+    "amax_fwd_composite_tok_mean_max",
+    "amax_fwd_composite_tok_max_max",
+  ]
+  run = root / "runs" / "hc_L4_C32_lr0.01_s1"
+  row = df.loc[run.name]
+  for col, metric in [
+    ("amax_fwd_composite_tok_mean_max", "amax_fwd_composite_tok_mean"),
+    ("amax_bwd_composite_tok_max_max", "amax_bwd_composite_tok_max"),
+    ("amax_fwd_composite_max", "amax_fwd_composite"),
+  ]:
+    assert _same(row[col], _whole_depth_max_raw(run, metric)), col
+  recs = raw_records(run / "metrics.jsonl")
+  amin = [r["amin_bwd_composite"][-1] for r in recs if "amin_bwd_composite" in r]
+  assert _same(row["amin_bwd_composite_min"], min(amin))
+  suffix = [v for r in recs if "amax_fwd_suffix" in r for v in r["amax_fwd_suffix"]]
+  assert _same(row["amax_fwd_suffix_max_all_layers"], max(suffix))
+  assert (
+    row["amax_fwd_composite_tok_mean_max"] > row["amax_fwd_composite_max"]
+  )  # what averaging hides
+  page = Path(paths["index_html"]).read_text()
+  for sentence in COMPOSITE_SENTENCES.values():
+    assert html.escape(sentence) in page
+  assert "per-token" in Path(paths["summary_md"]).read_text()
 
 
 def test_old_logs_show_the_new_metrics_as_missing(tmp_path):
-    root = make_sweep(tmp_path, mixers=("hc", "mhc"), depths=(2,), lrs=None, steps=30, spike=None, diverge=None,
-                      pending=False, gain_metrics="old")
-    paths = write_report(root)
-    df = summary_table(root)
-    for c in LATER_COLUMNS:
-        assert df[c].isna().all(), c
-    assert all(set(v) == set(LATER_COLUMNS) for v in df.attrs["not_logged"].values())
-    assert all("not logged: per-token composite, amin composite, suffix products" in n for n in df["note"])
-    assert np.isfinite(df["amax_fwd_composite_max"]).all()  # the old columns are still there
-    md = Path(paths["summary_md"]).read_text()
-    hc_line = next(ln for ln in md.splitlines() if ln.startswith("| hc_L2"))
-    assert hc_line.split(" | ").count("n/a") == len(LATER_COLUMNS) and "NaN" not in hc_line
-    page = Path(paths["index_html"]).read_text()
-    assert page.count('<td class="na"') == len(LATER_COLUMNS) * 2 and "written before these metrics existed" in page
-    groups = pd.read_csv(paths["groups_csv"])
-    assert groups["amax_fwd_composite_tok_mean_max_mean"].isna().all()
+  root = make_sweep(
+    tmp_path,
+    mixers=("hc", "mhc"),
+    depths=(2,),
+    lrs=None,
+    steps=30,
+    spike=None,
+    diverge=None,
+    pending=False,
+    gain_metrics="old",
+  )
+  paths = write_report(root)
+  df = summary_table(root)
+  for c in LATER_COLUMNS:
+    assert df[c].isna().all(), c
+  assert all(set(v) == set(LATER_COLUMNS) for v in df.attrs["not_logged"].values())
+  assert all(
+    "not logged: per-token composite, amin composite, suffix products" in n for n in df["note"]
+  )
+  assert np.isfinite(df["amax_fwd_composite_max"]).all()  # the old columns are still there
+  md = Path(paths["summary_md"]).read_text()
+  hc_line = next(ln for ln in md.splitlines() if ln.startswith("| hc_L2"))
+  assert hc_line.split(" | ").count("n/a") == len(LATER_COLUMNS) and "NaN" not in hc_line
+  page = Path(paths["index_html"]).read_text()
+  assert (
+    page.count('<td class="na"') == len(LATER_COLUMNS) * 2
+    and "written before these metrics existed" in page
+  )
+  groups = pd.read_csv(paths["groups_csv"])
+  assert groups["amax_fwd_composite_tok_mean_max_mean"].isna().all()
 
 
 def test_growth_exponent_label_counts_mixer_layers():
-    # train/step.py diag_metrics divides ln(RMS ratio) by 2L (mixer layers), not by L (blocks)
-    doc = COLUMN_DOCS["growth_exponent"]
-    assert "(1/(2L))" in doc and "(1/L)" not in doc
+  # train/step.py diag_metrics divides ln(RMS ratio) by 2L (mixer layers), not by L (blocks)
+  doc = COLUMN_DOCS["growth_exponent"]
+  assert "(1/(2L))" in doc and "(1/L)" not in doc
 
 
 # =========================================================================== the sentence
-def _table(rows, cols=("run", "mixer", "depth", "seed", "status", "steps", "final_loss", "kl_bits", "spike_count",
-                       "amax_fwd_composite_max", "amax_fwd_composite_tok_mean_max")):
-    return pd.DataFrame(rows, columns=list(cols))
+def _table(
+  rows,
+  cols=(
+    "run",
+    "mixer",
+    "depth",
+    "seed",
+    "status",
+    "steps",
+    "final_loss",
+    "kl_bits",
+    "spike_count",
+    "amax_fwd_composite_max",
+    "amax_fwd_composite_tok_mean_max",
+  ),
+):
+  return pd.DataFrame(rows, columns=list(cols))
 
 
 def _rows(spec, seeds=(0,)):
-    """spec: {(mixer, depth): (final_loss, kl, spikes, amax_avg, amax_tok)} -> table rows."""
-    rows = []
-    for (m, d), (fl, kl, sp, av, tok) in spec.items():
-        for s in seeds:
-            jitter = 1 + 0.001 * s
-            rows.append((f"{m}_{d}_{s}", m, d, s, "done", 100, fl * jitter, kl * jitter, sp, av, tok * jitter))
-    return rows
+  """spec: {(mixer, depth): (final_loss, kl, spikes, amax_avg, amax_tok)} -> table rows."""
+  rows = []
+  for (m, d), (fl, kl, sp, av, tok) in spec.items():
+    for s in seeds:
+      jitter = 1 + 0.001 * s
+      rows.append(
+        (f"{m}_{d}_{s}", m, d, s, "done", 100, fl * jitter, kl * jitter, sp, av, tok * jitter)
+      )
+  return rows
 
 
 def test_finding_says_who_learned():
-    a = finding(_table(_rows({("residual", 4): (1.0, 0.05, 0, 1.0, 1.0), ("hc", 4): (2.0, 2.1, 0, 1.0, 1.0)})))
-    b = finding(_table(_rows({("residual", 4): (2.0, 2.1, 0, 1.0, 1.0), ("hc", 4): (1.0, 0.05, 0, 1.0, 1.0)})))
-    assert a == "residual learned the task (KL 0.05 bits to the exact posterior) while hc did not (2.1 bits)."
-    assert b.startswith("hc learned the task") and "residual did not" in b and a != b
+  a = finding(
+    _table(_rows({("residual", 4): (1.0, 0.05, 0, 1.0, 1.0), ("hc", 4): (2.0, 2.1, 0, 1.0, 1.0)}))
+  )
+  b = finding(
+    _table(_rows({("residual", 4): (2.0, 2.1, 0, 1.0, 1.0), ("hc", 4): (1.0, 0.05, 0, 1.0, 1.0)}))
+  )
+  assert (
+    a
+    == "residual learned the task (KL 0.05 bits to the exact posterior) while hc did not (2.1 bits)."
+  )
+  assert b.startswith("hc learned the task") and "residual did not" in b and a != b
 
 
 def test_finding_says_whose_gain_grew_with_depth():
-    spec = {("hc", 4): (2.0, 2.0, 0, 1.05, 1.1), ("hc", 16): (2.0, 2.0, 0, 1.6, 9.3),
-            ("mhc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 16): (2.0, 2.0, 0, 1.0, 1.02)}
-    a = finding(_table(_rows(spec)))
-    assert a == ("hc's per-token forward composite gain grew from 1.1 at depth 4 to 9.3 at depth 16 while mhc's "
-                 "stayed within 1.00–1.02.")
-    flipped = {(("mhc" if m == "hc" else "hc"), d): v for (m, d), v in spec.items()}
-    b = finding(_table(_rows(flipped, seeds=(0, 1, 2))))
-    assert b.startswith("mhc's per-token forward composite gain grew") and "hc's stayed" in b
-    assert b.endswith("(means over 3 seeds).")
-    # old logs without the per-token column: the token-averaged composite, named as such
-    old = _table(_rows(spec)).assign(amax_fwd_composite_tok_mean_max=np.nan)
-    assert finding(old).startswith("hc's token-averaged forward composite gain grew from 1.05 at depth 4 to 1.6")
+  spec = {
+    ("hc", 4): (2.0, 2.0, 0, 1.05, 1.1),
+    ("hc", 16): (2.0, 2.0, 0, 1.6, 9.3),
+    ("mhc", 4): (2.0, 2.0, 0, 1.0, 1.0),
+    ("mhc", 16): (2.0, 2.0, 0, 1.0, 1.02),
+  }
+  a = finding(_table(_rows(spec)))
+  assert a == (
+    "hc's per-token forward composite gain grew from 1.1 at depth 4 to 9.3 at depth 16 while mhc's "
+    "stayed within 1.00–1.02."
+  )
+  flipped = {(("mhc" if m == "hc" else "hc"), d): v for (m, d), v in spec.items()}
+  b = finding(_table(_rows(flipped, seeds=(0, 1, 2))))
+  assert b.startswith("mhc's per-token forward composite gain grew") and "hc's stayed" in b
+  assert b.endswith("(means over 3 seeds).")
+  # old logs without the per-token column: the token-averaged composite, named as such
+  old = _table(_rows(spec)).assign(amax_fwd_composite_tok_mean_max=np.nan)
+  assert finding(old).startswith(
+    "hc's token-averaged forward composite gain grew from 1.05 at depth 4 to 1.6"
+  )
 
 
 def test_finding_loss_needs_an_interval_that_excludes_zero():
-    spec = {("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (1.8, 2.0, 0, 1.0, 1.0)}
-    one = finding(_table(_rows(spec)))
-    assert one == "mhc reached a lower final loss than hc (1.8 vs 2 nats per token)."
-    noisy = _table(_rows(spec, seeds=(0, 1, 2)))
-    noisy.loc[(noisy["mixer"] == "mhc") & (noisy["seed"] == 1), "final_loss"] = 2.6  # seed 1 reverses it
-    assert finding(noisy).startswith("The mixers did not differ clearly: final losses")
-    steady = _table(_rows(spec, seeds=(0, 1, 2)))
-    text = finding(steady)
-    assert text.startswith("mhc reached a lower final loss than hc") and "95% CI [" in text
+  spec = {("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (1.8, 2.0, 0, 1.0, 1.0)}
+  one = finding(_table(_rows(spec)))
+  assert one == "mhc reached a lower final loss than hc (1.8 vs 2 nats per token)."
+  noisy = _table(_rows(spec, seeds=(0, 1, 2)))
+  noisy.loc[(noisy["mixer"] == "mhc") & (noisy["seed"] == 1), "final_loss"] = (
+    2.6  # seed 1 reverses it
+  )
+  assert finding(noisy).startswith("The mixers did not differ clearly: final losses")
+  steady = _table(_rows(spec, seeds=(0, 1, 2)))
+  text = finding(steady)
+  assert text.startswith("mhc reached a lower final loss than hc") and "95% CI [" in text
 
 
 def test_finding_on_edge_cases(seeded):
-    assert finding(_table([])) == "No run has logged metrics yet, so there is nothing to compare."
-    assert finding(_table(_rows({("hc", 4): (2.0, 2.0, 0, 1.0, 1.0)}))).startswith("Only one mixer (hc)")
-    same = finding(_table(_rows({("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (2.01, 2.0, 0, 1.0, 1.0)})))
-    assert same == ("The mixers did not differ clearly: final losses 2.00–2.01 nats, KL 2.00 bits, per-token "
-                    "composite gains 1.00, no spikes.")
-    spikes = finding(_table(_rows({("hc", 4): (2.0, 2.0, 4, 1.0, 1.0), ("mhc", 4): (2.0, 2.0, 0, 1.0, 1.0)})))
-    assert spikes == "hc had 4 loss/gradient spikes in its 1 run while mhc had none."
-    root, paths = seeded
-    text = finding(summary_table(root))
-    assert text.startswith("hc's per-token") and text.endswith("(means over 3 seeds).")
-    assert text in Path(paths["summary_md"]).read_text() and html.escape(text) in Path(paths["index_html"]).read_text()
+  assert finding(_table([])) == "No run has logged metrics yet, so there is nothing to compare."
+  assert finding(_table(_rows({("hc", 4): (2.0, 2.0, 0, 1.0, 1.0)}))).startswith(
+    "Only one mixer (hc)"
+  )
+  same = finding(
+    _table(_rows({("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (2.01, 2.0, 0, 1.0, 1.0)}))
+  )
+  assert same == (
+    "The mixers did not differ clearly: final losses 2.00–2.01 nats, KL 2.00 bits, per-token "
+    "composite gains 1.00, no spikes."
+  )
+  spikes = finding(
+    _table(_rows({("hc", 4): (2.0, 2.0, 4, 1.0, 1.0), ("mhc", 4): (2.0, 2.0, 0, 1.0, 1.0)}))
+  )
+  assert spikes == "hc had 4 loss/gradient spikes in its 1 run while mhc had none."
+  root, paths = seeded
+  text = finding(summary_table(root))
+  assert text.startswith("hc's per-token") and text.endswith("(means over 3 seeds).")
+  assert (
+    text in Path(paths["summary_md"]).read_text()
+    and html.escape(text) in Path(paths["index_html"]).read_text()
+  )

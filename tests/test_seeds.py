@@ -1,4 +1,5 @@
 """Seeds as a sweep axis (mhc_jax.sweep.grid ``seeds``): expansion, populations, bad input."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,8 +16,12 @@ DEBUG = str(REPO / "configs" / "debug.yaml")
 
 
 def _sweep(tmp_path: Path, **kw) -> Path:
-  data = {"name": "s", "base": DEBUG, "set": {"model.mixer_options": {}},
-          "axes": {"model.mixer": ["residual", "mhc"], "model.depth": [1, 2]}}
+  data = {
+    "name": "s",
+    "base": DEBUG,
+    "set": {"model.mixer_options": {}},
+    "axes": {"model.mixer": ["residual", "mhc"], "model.depth": [1, 2]},
+  }
   data.update(kw)
   path = tmp_path / "sweep.yaml"
   path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -45,22 +50,39 @@ def test_seeds_start_at_the_base_seed_or_are_listed(tmp_path):
 
 
 def test_seeds_join_an_lr_population(tmp_path):
-  sw = grid.load_sweep(_sweep(tmp_path, axes={"model.mixer": ["residual", "mhc"], "optim.lr": [1e-3, 1e-2]},
-                              population=["optim.lr"], seeds=2))
+  sw = grid.load_sweep(
+    _sweep(
+      tmp_path,
+      axes={"model.mixer": ["residual", "mhc"], "optim.lr": [1e-3, 1e-2]},
+      population=["optim.lr"],
+      seeds=2,
+    )
+  )
   assert sw.population == ("optim.lr", "train.seed")
   groups = grid.population_groups(sw)
   assert [len(g) for g in groups] == [4, 4]
-  assert {(r.cfg.optim.lr, r.cfg.train.seed) for r in groups[1]} == {(1e-3, 0), (1e-3, 1), (1e-2, 0), (1e-2, 1)}
+  assert {(r.cfg.optim.lr, r.cfg.train.seed) for r in groups[1]} == {
+    (1e-3, 0),
+    (1e-3, 1),
+    (1e-2, 0),
+    (1e-2, 1),
+  }
 
 
-@pytest.mark.parametrize("kw, where", [
+@pytest.mark.parametrize(
+  "kw, where",
+  [
     ({"seeds": 0}, "seeds: expected a positive number"),
     ({"seeds": "three"}, "seeds: expected a number of seeds or a list"),
     ({"seeds": [1, 1]}, "seeds: repeated seeds"),
     ({"seeds": [0, -1]}, "seeds: expected a number of seeds or a list"),
     ({"seeds": True}, "seeds: expected a number of seeds or a list"),
-    ({"seeds": 2, "axes": {"model.mixer": ["mhc"], "train.seed": [0, 1]}}, "seeds: this sweep already has"),
-])
+    (
+      {"seeds": 2, "axes": {"model.mixer": ["mhc"], "train.seed": [0, 1]}},
+      "seeds: this sweep already has",
+    ),
+  ],
+)
 def test_bad_seeds_name_the_key(tmp_path, kw, where):
   with pytest.raises(ConfigError) as e:
     grid.load_sweep(_sweep(tmp_path, **kw))

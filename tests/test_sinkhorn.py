@@ -3,6 +3,7 @@ transforms, gradients (unrolled and implicit), dtypes and the implicit mode's me
 
 Compilation dominates the run time on a loaded CPU, so each test gathers its work into one or
 two jitted calls."""
+
 import functools
 
 import chex
@@ -140,8 +141,12 @@ def test_jit_vmap_grad_jacrev(mode):
 
   @jax.jit
   def everything(z, w):
-    return (jax.vmap(jax.vmap(f))(z), grad(z, w), jax.vmap(jax.vmap(grad))(z, w),
-            jax.jacrev(f)(z[0, 0]))
+    return (
+      jax.vmap(jax.vmap(f))(z),
+      grad(z, w),
+      jax.vmap(jax.vmap(grad))(z, w),
+      jax.jacrev(f)(z[0, 0]),
+    )
 
   p, g, g_vv, jac = jax.device_get(everything(z, w))
   chex.assert_trees_all_close(p, _proj(z, 20, mode), atol=1e-6)
@@ -169,9 +174,10 @@ def test_gradient_matches_finite_differences_float64(mode):
     g = _grad(z, w, iters, mode)
     chex.assert_type(g, jnp.float64)
     steps = h * np.eye(n * n).reshape(n * n, n, n)
-    losses = np.asarray(jax.jit(jax.vmap(lambda d: _loss(z + d, w, iters, mode)))(
-        np.concatenate([steps, -steps])))
-    fd = ((losses[:n * n] - losses[n * n:]) / (2 * h)).reshape(n, n)
+    losses = np.asarray(
+      jax.jit(jax.vmap(lambda d: _loss(z + d, w, iters, mode)))(np.concatenate([steps, -steps]))
+    )
+    fd = ((losses[: n * n] - losses[n * n :]) / (2 * h)).reshape(n, n)
     np.testing.assert_allclose(g, fd, atol=1e-8)
   assert jnp.ones(1).dtype == jnp.float32  # x64 did not leak
 
@@ -192,8 +198,13 @@ def test_implicit_and_unrolled_gradients_agree():
 
 def test_bf16_in_float32_out():
   z16 = _logits(60, (4, 4, 4), 2.0).astype(jnp.bfloat16)
-  p, p32, grads = jax.jit(lambda z: (sinkhorn(z), sinkhorn(z.astype(jnp.float32)),
-                                     [jax.grad(_loss)(z, 1.0, 20, m) for m in MODES]))(z16)
+  p, p32, grads = jax.jit(
+    lambda z: (
+      sinkhorn(z),
+      sinkhorn(z.astype(jnp.float32)),
+      [jax.grad(_loss)(z, 1.0, 20, m) for m in MODES],
+    )
+  )(z16)
   chex.assert_type(p, jnp.float32)
   assert np.abs(np.asarray(p).sum(-1) - 1).max() < 1e-6
   chex.assert_trees_all_close(p, p32, atol=1e-6)

@@ -3,6 +3,7 @@
 The reference uses only the standard library: Student's t density integrated numerically
 (Simpson's rule) and inverted by bisection, so it shares no code with scipy.
 """
+
 import functools
 import math
 
@@ -14,80 +15,84 @@ from mhc_jax.sweep import stats
 
 
 def t_pdf(x: float, df: int) -> float:
-    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    return c * (1 + x * x / df) ** (-(df + 1) / 2)
+  c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+  return c * (1 + x * x / df) ** (-(df + 1) / 2)
 
 
 def t_cdf(x: float, df: int, n: int = 20000) -> float:
-    """P(T <= x) for x >= 0: 1/2 + the integral of the density from 0 to x (Simpson)."""
-    h = x / n
-    s = t_pdf(0, df) + t_pdf(x, df) + sum((4 if i % 2 else 2) * t_pdf(i * h, df) for i in range(1, n))
-    return 0.5 + s * h / 3
+  """P(T <= x) for x >= 0: 1/2 + the integral of the density from 0 to x (Simpson)."""
+  h = x / n
+  s = t_pdf(0, df) + t_pdf(x, df) + sum((4 if i % 2 else 2) * t_pdf(i * h, df) for i in range(1, n))
+  return 0.5 + s * h / 3
 
 
 @functools.lru_cache(maxsize=None)
 def t_ppf(p: float, df: int) -> float:
-    lo, hi = 0.0, 100.0
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if t_cdf(mid, df, 4000) < p else (lo, mid)
-    return (lo + hi) / 2
+  lo, hi = 0.0, 100.0
+  for _ in range(40):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if t_cdf(mid, df, 4000) < p else (lo, mid)
+  return (lo + hi) / 2
 
 
 def ref_ci(values):
-    n = len(values)
-    mean = sum(values) / n
-    s = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-    half = t_ppf(0.975, n - 1) * s / math.sqrt(n)
-    return mean, mean - half, mean + half
+  n = len(values)
+  mean = sum(values) / n
+  s = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+  half = t_ppf(0.975, n - 1) * s / math.sqrt(n)
+  return mean, mean - half, mean + half
 
 
 @pytest.mark.parametrize("df, known", [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262)])
 def test_t_quantile_matches_the_reference_and_the_tables(df, known):
-    assert stats.t_quantile(0.975, df) == pytest.approx(t_ppf(0.975, df), rel=1e-4)
-    assert stats.t_quantile(0.975, df) == pytest.approx(known, abs=1e-3)
+  assert stats.t_quantile(0.975, df) == pytest.approx(t_ppf(0.975, df), rel=1e-4)
+  assert stats.t_quantile(0.975, df) == pytest.approx(known, abs=1e-3)
 
 
 def test_mean_ci_is_the_student_t_interval():
-    for vals in ([1.0, 2.0], [0.3, 0.5, 0.4], [2.5, 2.1, 2.9, 3.3, 2.2]):
-        mean, lo, hi, n = stats.mean_ci(vals)
-        want = ref_ci(vals)
-        assert n == len(vals)
-        assert (mean, lo, hi) == pytest.approx(want, rel=1e-4)
+  for vals in ([1.0, 2.0], [0.3, 0.5, 0.4], [2.5, 2.1, 2.9, 3.3, 2.2]):
+    mean, lo, hi, n = stats.mean_ci(vals)
+    want = ref_ci(vals)
+    assert n == len(vals)
+    assert (mean, lo, hi) == pytest.approx(want, rel=1e-4)
 
 
 def test_non_finite_is_not_averaged_away():
-    mean, lo, hi, n = stats.mean_ci([1.0, math.nan, 2.0])
-    assert math.isnan(mean) and math.isnan(lo) and math.isnan(hi) and n == 3
-    mean, lo, hi, _ = stats.mean_ci([1.0, math.inf, 2.0])
-    assert mean == math.inf and math.isnan(lo) and math.isnan(hi)
-    mean, lo, hi, n = stats.mean_ci([0.7])
-    assert mean == 0.7 and math.isnan(lo) and n == 1
-    assert all(math.isnan(v) for v in stats.mean_ci([])[:3])
-    assert stats.mean_ci([3.0, 3.0, 3.0])[1:3] == (3.0, 3.0)
+  mean, lo, hi, n = stats.mean_ci([1.0, math.nan, 2.0])
+  assert math.isnan(mean) and math.isnan(lo) and math.isnan(hi) and n == 3
+  mean, lo, hi, _ = stats.mean_ci([1.0, math.inf, 2.0])
+  assert mean == math.inf and math.isnan(lo) and math.isnan(hi)
+  mean, lo, hi, n = stats.mean_ci([0.7])
+  assert mean == 0.7 and math.isnan(lo) and n == 1
+  assert all(math.isnan(v) for v in stats.mean_ci([])[:3])
+  assert stats.mean_ci([3.0, 3.0, 3.0])[1:3] == (3.0, 3.0)
 
 
 def test_paired_differences_by_seed():
-    df = pd.DataFrame({
-        "mixer": ["a", "a", "a", "b", "b", "b", "b"],
-        "depth": [2, 2, 2, 2, 2, 2, 4],
-        "seed": [0, 1, 2, 0, 1, 3, 0],       # seed 2 has no b, seed 3 no a: 2 pairs at depth 2
-        "loss": [1.0, 2.0, 9.0, 1.5, 2.75, 0.0, 5.0],
-    })
-    out = stats.paired_stats(df, "mixer", ["depth"], ["loss"], order=["b", "a"])
-    assert len(out) == 1  # depth 4 has one mixer only
-    row = out.iloc[0]
-    assert (row["a"], row["b"], row["n_pairs"], row["seeds"]) == ("b", "a", 2, "0,1")
-    diffs = [1.0 - 1.5, 2.0 - 2.75]  # b - a with a = "b", b = "a" (the order given)
-    assert (row["diff_mean"], row["diff_ci_lo"], row["diff_ci_hi"]) == pytest.approx(ref_ci(diffs), rel=1e-4)
-    assert row["mean_a"] == pytest.approx(2.125) and row["mean_b"] == pytest.approx(1.5)
+  df = pd.DataFrame(
+    {
+      "mixer": ["a", "a", "a", "b", "b", "b", "b"],
+      "depth": [2, 2, 2, 2, 2, 2, 4],
+      "seed": [0, 1, 2, 0, 1, 3, 0],  # seed 2 has no b, seed 3 no a: 2 pairs at depth 2
+      "loss": [1.0, 2.0, 9.0, 1.5, 2.75, 0.0, 5.0],
+    }
+  )
+  out = stats.paired_stats(df, "mixer", ["depth"], ["loss"], order=["b", "a"])
+  assert len(out) == 1  # depth 4 has one mixer only
+  row = out.iloc[0]
+  assert (row["a"], row["b"], row["n_pairs"], row["seeds"]) == ("b", "a", 2, "0,1")
+  diffs = [1.0 - 1.5, 2.0 - 2.75]  # b - a with a = "b", b = "a" (the order given)
+  assert (row["diff_mean"], row["diff_ci_lo"], row["diff_ci_hi"]) == pytest.approx(
+    ref_ci(diffs), rel=1e-4
+  )
+  assert row["mean_a"] == pytest.approx(2.125) and row["mean_b"] == pytest.approx(1.5)
 
 
 def test_group_stats_columns_and_grouping():
-    df = pd.DataFrame({"mixer": ["a", "a", "b"], "seed": [0, 1, 0], "x": [1.0, 3.0, np.nan]})
-    out = stats.group_stats(df, ["mixer"], ["x"])
-    assert list(out.columns) == ["mixer", "n_seeds", "seeds", "x_mean", "x_ci_lo", "x_ci_hi"]
-    a, b = out.iloc[0], out.iloc[1]
-    assert (a["n_seeds"], a["seeds"], a["x_mean"]) == (2, "0,1", 2.0)
-    assert (a["x_ci_lo"], a["x_ci_hi"]) == pytest.approx(ref_ci([1.0, 3.0])[1:], rel=1e-4)
-    assert b["n_seeds"] == 1 and math.isnan(b["x_mean"])
+  df = pd.DataFrame({"mixer": ["a", "a", "b"], "seed": [0, 1, 0], "x": [1.0, 3.0, np.nan]})
+  out = stats.group_stats(df, ["mixer"], ["x"])
+  assert list(out.columns) == ["mixer", "n_seeds", "seeds", "x_mean", "x_ci_lo", "x_ci_hi"]
+  a, b = out.iloc[0], out.iloc[1]
+  assert (a["n_seeds"], a["seeds"], a["x_mean"]) == (2, "0,1", 2.0)
+  assert (a["x_ci_lo"], a["x_ci_hi"]) == pytest.approx(ref_ci([1.0, 3.0])[1:], rel=1e-4)
+  assert b["n_seeds"] == 1 and math.isnan(b["x_mean"])

@@ -1,4 +1,5 @@
 """The loss in the train step: sampled targets, soft posterior targets, a wider model vocab."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

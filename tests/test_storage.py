@@ -4,6 +4,7 @@ in-memory filesystem registered for the ``gs`` protocol stands in for Google Clo
 ``pathlib`` would have put a ``gs:`` folder. Orbax checkpoints on ``gs://`` go through
 tensorstore's own GCS driver, which has no offline stand-in; they are not tested here.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,6 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class FakeGCS(MemoryFileSystem):
   """An in-memory filesystem answering for gs:// (and gcs://, the name epath asks for)."""
+
   protocol = ("gs", "gcs")
   store: dict = {}
   pseudo_dirs = [""]
@@ -31,7 +33,7 @@ class FakeGCS(MemoryFileSystem):
   def _strip_protocol(cls, path):
     for pre in ("gs://", "gcs://"):
       if path.startswith(pre):
-        path = path[len(pre):]
+        path = path[len(pre) :]
     return MemoryFileSystem._strip_protocol(path)
 
 
@@ -39,6 +41,7 @@ class FakeGCS(MemoryFileSystem):
 def gcs(tmp_path, monkeypatch):
   """``gs://bucket`` in memory; the test runs in an empty local directory it checks stays so."""
   import importlib
+
   registry = importlib.import_module("fsspec.registry")  # the module (fsspec.registry is a view)
   saved = {n: registry._registry.get(n) for n in FakeGCS.protocol}
   for n in FakeGCS.protocol:
@@ -71,8 +74,8 @@ def test_logs_and_config_go_to_the_object_store(gcs):
     w.flush()
     assert [r["step"] for r in logs.read_jsonl(f"{run}/metrics.jsonl")] == [0, 1, 2, 3]
     w.write({"step": 4, "loss": math.nan})
-  assert logs.truncate_after(f"{run}/metrics.jsonl", 2) == 2   # a resume from checkpoint 3
-  with logs.JsonlWriter(f"{run}/metrics.jsonl") as w:   # no appends on an object store
+  assert logs.truncate_after(f"{run}/metrics.jsonl", 2) == 2  # a resume from checkpoint 3
+  with logs.JsonlWriter(f"{run}/metrics.jsonl") as w:  # no appends on an object store
     w.write({"step": 3, "loss": 1.75})
   df = logs.load_run(run)
   assert df["step"].tolist() == [0, 1, 2, 3] and df["loss"].iloc[-1] == 1.75
@@ -82,7 +85,7 @@ def test_logs_and_config_go_to_the_object_store(gcs):
 
 def test_run_directory_rules_lock_and_summary_on_the_object_store(gcs):
   run = storage.path(f"{gcs}/runs/r2")
-  rundir.check(run, resume=False)   # nothing there yet
+  rundir.check(run, resume=False)  # nothing there yet
   with rundir.Lock(run):
     assert "bucket/runs/r2/.lock" in _keys()
     holder = json.loads((run / ".lock").read_text())
@@ -93,7 +96,8 @@ def test_run_directory_rules_lock_and_summary_on_the_object_store(gcs):
   with pytest.raises(RunLocked, match="pid 1 on host tpu-worker-7"):
     rundir.Lock(run).acquire()
   import socket
-  dead = 2 ** 22 + 12345
+
+  dead = 2**22 + 12345
   (run / ".lock").write_text(json.dumps({"pid": dead, "host": socket.gethostname(), "started": 0}))
   with rundir.Lock(run):
     assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
@@ -114,13 +118,19 @@ def test_run_directory_rules_lock_and_summary_on_the_object_store(gcs):
 def test_a_recorder_writes_a_run_on_the_object_store(gcs):
   """The engine's host side (logs, events, rules, summary) for a run directory on gs://."""
   from mhc_jax.train.recorder import Recorder
+
   cfg = load_config(os.path.join(ROOT, "configs", "debug.yaml"), ["train.steps=3"])
   run = f"{gcs}/runs/r3"
   rec = Recorder(run, cfg, main=True)
   rec.begin(0, None)
   for step, loss in enumerate([2.3, math.nan, 2.1]):
-    rec.record(step, {"loss": loss, "grad_norm": 1.0, "finite": math.isfinite(loss),
-                      "nonfinite": int(step >= 1)}, has_eval=False, dt=0.01, tokens=128)
+    rec.record(
+      step,
+      {"loss": loss, "grad_norm": 1.0, "finite": math.isfinite(loss), "nonfinite": int(step >= 1)},
+      has_eval=False,
+      dt=0.01,
+      tokens=128,
+    )
   rec.flush()
   host = rec.host_state(3)
   summary = rec.finish("done", "", 3, None, 1)

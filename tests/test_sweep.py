@@ -5,6 +5,7 @@ The fast tests check the grid and the runner's bookkeeping without training. ``t
 test_notebooks.py) trains a 3-run sweep in a subprocess, SIGKILLs it during the second run,
 re-runs it to completion, then re-runs it once more; the slow tests read what happened.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -36,8 +37,12 @@ def _write(path: Path, data: dict) -> Path:
 
 
 def _sweep(tmp_path: Path, **kw) -> Path:
-  data = {"name": "t", "base": DEBUG, "set": {"model.mixer_options": {}},
-          "axes": {"model.mixer": ["residual", "mhc"], "model.depth": [1, 2]}}
+  data = {
+    "name": "t",
+    "base": DEBUG,
+    "set": {"model.mixer_options": {}},
+    "axes": {"model.mixer": ["residual", "mhc"], "model.depth": [1, 2]},
+  }
   data.update(kw)
   return _write(tmp_path / "sweep.yaml", data)
 
@@ -45,8 +50,12 @@ def _sweep(tmp_path: Path, **kw) -> Path:
 # =========================================================================== the grid
 def test_expand_names_order_and_overrides(tmp_path):
   sw = grid.load_sweep(_sweep(tmp_path))
-  assert [r.name for r in sw.runs] == ["mixer=residual,depth=1", "mixer=residual,depth=2",
-                                       "mixer=mhc,depth=1", "mixer=mhc,depth=2"]
+  assert [r.name for r in sw.runs] == [
+    "mixer=residual,depth=1",
+    "mixer=residual,depth=2",
+    "mixer=mhc,depth=1",
+    "mixer=mhc,depth=2",
+  ]
   r = sw.run("mixer=mhc,depth=2")
   assert r.overrides == {"model.mixer": "mhc", "model.depth": 2}
   assert (r.cfg.model.mixer, r.cfg.model.depth, r.cfg.name) == ("mhc", 2, "t")
@@ -58,29 +67,45 @@ def test_expand_names_order_and_overrides(tmp_path):
 
 
 def test_names_are_filesystem_safe_and_disambiguated():
-  names = grid.run_names({"optim.lr": [3e-3, 1e-2], "train.seed": [0],
-                          "model.mixer_options": [{"n": 2}], "data.options.n_symbols": [4]})
-  assert names == ['lr=0.003,seed=0,mixer_options=n-2,n_symbols=4',
-                   'lr=0.01,seed=0,mixer_options=n-2,n_symbols=4']
+  names = grid.run_names(
+    {
+      "optim.lr": [3e-3, 1e-2],
+      "train.seed": [0],
+      "model.mixer_options": [{"n": 2}],
+      "data.options.n_symbols": [4],
+    }
+  )
+  assert names == [
+    "lr=0.003,seed=0,mixer_options=n-2,n_symbols=4",
+    "lr=0.01,seed=0,mixer_options=n-2,n_symbols=4",
+  ]
   assert grid.run_names({"model.depth": [1], "data.depth": [2]}) == ["model.depth=1,data.depth=2"]
   for n in names:
     assert "/" not in n and " " not in n
 
 
 def test_population_groups(tmp_path):
-  sw = grid.load_sweep(_sweep(tmp_path, axes={"model.mixer": ["residual", "mhc"],
-                                              "optim.lr": [1e-3, 3e-3], "train.seed": [0, 1]},
-                              population=["optim.lr", "train.seed"]))
+  sw = grid.load_sweep(
+    _sweep(
+      tmp_path,
+      axes={"model.mixer": ["residual", "mhc"], "optim.lr": [1e-3, 3e-3], "train.seed": [0, 1]},
+      population=["optim.lr", "train.seed"],
+    )
+  )
   groups = grid.population_groups(sw)
   assert [[r.name for r in g] for g in groups] == [
-      [r.name for r in sw.runs[:4]], [r.name for r in sw.runs[4:]]]
+    [r.name for r in sw.runs[:4]],
+    [r.name for r in sw.runs[4:]],
+  ]
   assert all(r.overrides["model.mixer"] == "mhc" for r in groups[1])
 
 
-@pytest.mark.parametrize("kw, where", [
+@pytest.mark.parametrize(
+  "kw, where",
+  [
     ({"axes": {"model.mixer": ["residual", "nope"]}}, "axes.model.mixer: value 'nope'"),
     ({"axes": {"model.depth": [2, 0]}}, "axes.model.depth: value 0"),
-    ({"axes": {"model.width": [16, 18]}}, "axes.model.width: value 18"),   # heads=2 -> odd head dim
+    ({"axes": {"model.width": [16, 18]}}, "axes.model.width: value 18"),  # heads=2 -> odd head dim
     ({"axes": {"model.dept": [1]}}, "axes.model.dept"),
     ({"set": {"optim.lr": "fast"}}, "set.optim.lr"),
     ({"axes": {"model.depth": 4}}, "axes.model.depth: expected a non-empty list"),
@@ -88,7 +113,8 @@ def test_population_groups(tmp_path):
     ({"population": ["optim.lr"]}, "population.optim.lr: not an axis"),
     ({"sweeps": 1}, "sweeps: unknown sweep key"),
     ({"base": "configs/nothere.yaml"}, "base: configs/nothere.yaml not found"),
-])
+  ],
+)
 def test_bad_sweep_names_the_key(tmp_path, kw, where):
   with pytest.raises(ConfigError, match=None) as e:
     grid.load_sweep(_sweep(tmp_path, **kw))
@@ -98,8 +124,9 @@ def test_bad_sweep_names_the_key(tmp_path, kw, where):
 def test_culprit_is_the_axis_without_which_the_run_is_valid(tmp_path):
   # heads=3 is fine with width 18 (base heads 2 is not): the error must name axes.model.heads
   with pytest.raises(ConfigError) as e:
-    grid.load_sweep(_sweep(tmp_path, set={"model.rope": False},
-                           axes={"model.width": [18], "model.heads": [3, 4]}))
+    grid.load_sweep(
+      _sweep(tmp_path, set={"model.rope": False}, axes={"model.width": [18], "model.heads": [3, 4]})
+    )
   assert str(e.value).startswith("axes.model.heads: value 4 (run width=18,heads=4): model.heads")
 
 
@@ -122,7 +149,7 @@ def test_dry_run_params_and_flops(tmp_path, capsys):
   setups = grid.prepare_runs(sw)
   table = grid.dry_run_table(sw, setups)
   for r, row in zip(sw.runs, table.itertuples()):
-    m = setups[r.name].cfg.model          # vocab resolved from the data source
+    m = setups[r.name].cfg.model  # vocab resolved from the data source
     assert m.vocab == 10
     p = expected_params(m)
     assert row.params == p["total"] and row.non_embedding == p["non_embedding"]
@@ -144,8 +171,11 @@ def test_manifest_written_atomically_and_readable(tmp_path):
   # no temp left; the lock file stays (it is never replaced, so locks on it mean something)
   assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["manifest.json", "manifest.lock"]
   m = json.loads((tmp_path / "s" / "manifest.json").read_text())
-  assert m["runs"]["mixer=mhc,depth=2"] == {"status": "pending", "dir": "runs/mixer=mhc,depth=2",
-                                            "overrides": {"model.mixer": "mhc", "model.depth": 2}}
+  assert m["runs"]["mixer=mhc,depth=2"] == {
+    "status": "pending",
+    "dir": "runs/mixer=mhc,depth=2",
+    "overrides": {"model.mixer": "mhc", "model.depth": 2},
+  }
   assert list(logs.load_summaries(tmp_path / "s")["run"]) == todo
 
 
@@ -160,17 +190,19 @@ def test_changed_sweep_file(tmp_path):
   runner.write_manifest(out, manifest)
   # a changed base value or a changed set of axis keys: refused, naming the key
   with pytest.raises(ConfigError, match=r"^optim.lr: changed from 0.003 to 0.01"):
-    runner.plan(grid.load_sweep(_sweep(tmp_path, set={"model.mixer_options": {},
-                                                      "optim.lr": 1e-2})), out)
+    runner.plan(
+      grid.load_sweep(_sweep(tmp_path, set={"model.mixer_options": {}, "optim.lr": 1e-2})), out
+    )
   with pytest.raises(ConfigError, match=r"^axes.optim.lr: a new axis"):
     runner.plan(grid.load_sweep(_sweep(tmp_path, axes={**sw.axes, "optim.lr": [1e-3]})), out)
   with pytest.raises(ConfigError, match=r"^axes.model.depth: axis removed"):
     runner.plan(grid.load_sweep(_sweep(tmp_path, axes={"model.mixer": ["mhc"]})), out)
   # a new value: only the new runs are added; a removed value's runs are kept
-  new = grid.load_sweep(_sweep(tmp_path, axes={"model.mixer": ["residual", "hc"],
-                                               "model.depth": [1, 2]}))
+  new = grid.load_sweep(
+    _sweep(tmp_path, axes={"model.mixer": ["residual", "hc"], "model.depth": [1, 2]})
+  )
   m, todo, notes = runner.plan(new, out)
-  assert todo == ["mixer=hc,depth=1", "mixer=hc,depth=2"]   # done and failed are kept as they are
+  assert todo == ["mixer=hc,depth=1", "mixer=hc,depth=2"]  # done and failed are kept as they are
   assert m["runs"]["mixer=residual,depth=1"]["status"] == "done"
   assert m["runs"]["mixer=residual,depth=2"]["error"] == "boom"
   assert "mixer=mhc,depth=1" in m["runs"] and any("no longer in the sweep file" in n for n in notes)
@@ -189,7 +221,7 @@ def test_prepare_run_dir(tmp_path):
   (d / "metrics.jsonl").write_text('{"step":0,"loss":1.0}\n')
   assert runner.prepare_run_dir(d, cfg) == "fresh" and not d.exists()  # no checkpoint: wiped
   (d / "checkpoints" / "2").mkdir(parents=True)
-  (d / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()   # unfinished save: not a checkpoint
+  (d / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()  # unfinished save: not a checkpoint
   assert runner.prepare_run_dir(d, cfg) == "resume"
   (d / "checkpoints" / str(cfg.train.steps)).mkdir()
   (d / "summary.json").write_text(json.dumps({"status": "done"}))
@@ -212,15 +244,29 @@ def _steps(path: Path) -> list[int]:
 
 
 def _build_tiny_sweep(root: Path) -> dict:
-  f = _write(root / "tiny.yaml", {
-      "name": "tiny", "base": DEBUG,
-      "set": {"model.mixer_options": {}, "train.steps": TINY_STEPS, "train.diag_every": 1,
-              "train.log_every": 1, "train.eval_every": 20, "train.ckpt_every": 10,
-              "data.eval_batches": 1},
-      "axes": {"model.mixer": ["residual", "hc", "mhc"]}})
+  f = _write(
+    root / "tiny.yaml",
+    {
+      "name": "tiny",
+      "base": DEBUG,
+      "set": {
+        "model.mixer_options": {},
+        "train.steps": TINY_STEPS,
+        "train.diag_every": 1,
+        "train.log_every": 1,
+        "train.eval_every": 20,
+        "train.ckpt_every": 10,
+        "data.eval_batches": 1,
+      },
+      "axes": {"model.mixer": ["residual", "hc", "mhc"]},
+    },
+  )
   out = root / "sweep"
-  env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
-             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+  env = dict(
+    os.environ,
+    JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+  )
   cmd = [sys.executable, "-m", "mhc_jax.cli", "sweep", str(f), "--out", str(out), "--quiet"]
   rec: dict = {"out": str(out)}
   victim = out / "runs" / "mixer=hc"
@@ -240,10 +286,13 @@ def _build_tiny_sweep(root: Path) -> dict:
       if m["runs"]["mixer=hc"]["status"] == "running" and ck and steps and max(steps) > min(ck):
         os.kill(p.pid, signal.SIGSTOP)
         m = json.loads((out / "manifest.json").read_text())
-        rec["at_kill"] = {"status": {n: i["status"] for n, i in m["runs"].items()},
-                          "ckpts": sorted(int(c.name) for c in (victim / "checkpoints").iterdir()
-                                          if c.name.isdigit()),
-                          "logged": _steps(victim / "metrics.jsonl")}
+        rec["at_kill"] = {
+          "status": {n: i["status"] for n, i in m["runs"].items()},
+          "ckpts": sorted(
+            int(c.name) for c in (victim / "checkpoints").iterdir() if c.name.isdigit()
+          ),
+          "logged": _steps(victim / "metrics.jsonl"),
+        }
         os.kill(p.pid, signal.SIGKILL)
         break
       time.sleep(0.05)
@@ -255,16 +304,24 @@ def _build_tiny_sweep(root: Path) -> dict:
   # 2. re-run: finishes the killed run and the one after it
   t0 = time.time()
   r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-  rec["second"] = {"rc": r.returncode, "out": r.stdout, "err": r.stderr[-3000:],
-                   "s": time.time() - t0}
+  rec["second"] = {
+    "rc": r.returncode,
+    "out": r.stdout,
+    "err": r.stderr[-3000:],
+    "s": time.time() - t0,
+  }
   rec["residual_digest_after"] = _digest(out / "runs" / "mixer=residual" / "metrics.jsonl")
   manifest_digest = _digest(out / "manifest.json")
 
   # 3. re-run a finished sweep: nothing to do, nothing written
   t0 = time.time()
   r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
-  rec["third"] = {"rc": r.returncode, "out": r.stdout, "err": r.stderr[-3000:],
-                  "s": time.time() - t0}
+  rec["third"] = {
+    "rc": r.returncode,
+    "out": r.stdout,
+    "err": r.stderr[-3000:],
+    "s": time.time() - t0,
+  }
   rec["manifest_unchanged"] = _digest(out / "manifest.json") == manifest_digest
   return rec
 
@@ -290,7 +347,10 @@ def test_tiny_sweep_completes(tiny_sweep):
   assert tiny_sweep["second"]["rc"] == 0, tiny_sweep["second"]
   m = json.loads((out / "manifest.json").read_text())
   assert {n: i["status"] for n, i in m["runs"].items()} == {
-      "mixer=residual": "done", "mixer=hc": "done", "mixer=mhc": "done"}
+    "mixer=residual": "done",
+    "mixer=hc": "done",
+    "mixer=mhc": "done",
+  }
   for name, info in m["runs"].items():
     rdir = out / info["dir"]
     assert json.loads((rdir / "summary.json").read_text())["status"] == "done"
@@ -300,18 +360,22 @@ def test_tiny_sweep_completes(tiny_sweep):
   assert (out / "report" / "index.html").exists()
   text = tiny_sweep["second"]["out"]
   assert f"report: {out / 'report' / 'index.html'}" in text
-  assert "| mixer=hc |" in text and "final_loss" in text   # the summary table
+  assert "| mixer=hc |" in text and "final_loss" in text  # the summary table
   from mhc_jax.sweep import report
-  assert report.finding(report.summary_table(out)) in text   # the computed sentence, printed
+
+  assert report.finding(report.summary_table(out)) in text  # the computed sentence, printed
 
 
 @pytest.mark.slow
 def test_killed_sweep_finishes_only_the_rest(tiny_sweep):
   at_kill = tiny_sweep.get("at_kill")
   assert at_kill, f"the sweep was not caught during its second run: {tiny_sweep['first_log']}"
-  assert at_kill["status"] == {"mixer=residual": "done", "mixer=hc": "running",
-                               "mixer=mhc": "pending"}
-  assert max(at_kill["logged"]) > min(at_kill["ckpts"])   # logs past a checkpoint were there
+  assert at_kill["status"] == {
+    "mixer=residual": "done",
+    "mixer=hc": "running",
+    "mixer=mhc": "pending",
+  }
+  assert max(at_kill["logged"]) > min(at_kill["ckpts"])  # logs past a checkpoint were there
   out = tiny_sweep["second"]["out"]
   resumed = max(at_kill["ckpts"])
   assert f"mixer=hc: resuming from step {resumed}" in out, out
@@ -321,7 +385,7 @@ def test_killed_sweep_finishes_only_the_rest(tiny_sweep):
   hc = tiny_sweep["out"] / "runs" / "mixer=hc"
   assert _steps(hc / "metrics.jsonl") == list(range(TINY_STEPS))
   ev = logs.read_jsonl(hc / "events.jsonl") if (hc / "events.jsonl").exists() else []
-  assert len({(e["step"], e["kind"]) for e in ev}) == len(ev)   # no event twice
+  assert len({(e["step"], e["kind"]) for e in ev}) == len(ev)  # no event twice
 
 
 @pytest.mark.slow

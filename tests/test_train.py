@@ -6,6 +6,7 @@ under jax.distributed in test_multiprocess.py.
 Runs are tiny (depth 1, width 16, seq_len 16, batch 8, a few steps); each train() call costs
 one compilation of the step, which is most of a test's time.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,13 @@ def test_same_loss_curve_on_every_mesh_as_on_one_device(mixer, tmp_path, fast_co
     run = tmp_path / f"{d}x{f}x{t}"
     train(setup, run, progress=False)
     for key, want in ref.items():
-      np.testing.assert_allclose(series(run, key), want, rtol=RTOL[key], atol=0,
-                                 err_msg=f"{mixer} {key} on mesh {d}x{f}x{t} vs one device")
+      np.testing.assert_allclose(
+        series(run, key),
+        want,
+        rtol=RTOL[key],
+        atol=0,
+        err_msg=f"{mixer} {key} on mesh {d}x{f}x{t} vs one device",
+      )
 
 
 K = 2  # the skip run: the loss is made NaN at step K; checkpoints after every step keep K..K+2
@@ -81,11 +87,18 @@ K = 2  # the skip run: the loss is made NaN at step K; checkpoints after every s
 def skip_run(tmp_path_factory):
   """configs/debug.yaml for 4 steps with a NaN loss planted at step K (policy skip)."""
   import jax
+
   old = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", True)
   run = tmp_path_factory.mktemp("skip_run")
-  cfg = tiny("train.steps=4", f"train.inject_nonfinite_at={K}", "train.nonfinite=skip",
-             "train.ckpt_every=1", "train.keep_ckpts=3", "mesh.data=1")
+  cfg = tiny(
+    "train.steps=4",
+    f"train.inject_nonfinite_at={K}",
+    "train.nonfinite=skip",
+    "train.ckpt_every=1",
+    "train.keep_ckpts=3",
+    "mesh.data=1",
+  )
   try:
     summary = train(prepare(cfg, devices=jax.devices()[:1]), run, progress=False)
   finally:
@@ -111,8 +124,10 @@ def test_nonfinite_skip_leaves_parameters_unchanged_and_counts(skip_run):
   jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
   jax.tree.map(np.testing.assert_array_equal, after["opt_state"], before["opt_state"])
   assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(later["params"]))
-  assert not all(np.array_equal(a, b) for a, b in
-                 zip(jax.tree.leaves(later["params"]), jax.tree.leaves(after["params"])))
+  assert not all(
+    np.array_equal(a, b)
+    for a, b in zip(jax.tree.leaves(later["params"]), jax.tree.leaves(after["params"]))
+  )
 
   # a finished run is never overwritten: without resume=True, train() refuses and writes nothing
   files = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
@@ -130,8 +145,11 @@ def test_a_nonfinite_step_is_one_event_not_three(skip_run):
 
 
 def _opt_count(state) -> int:
-  counts = {int(np.asarray(leaf)) for path, leaf in jax.tree_util.tree_leaves_with_path(
-      state["opt_state"]) if "count" in jax.tree_util.keystr(path)}
+  counts = {
+    int(np.asarray(leaf))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state["opt_state"])
+    if "count" in jax.tree_util.keystr(path)
+  }
   assert len(counts) == 1, counts
   return counts.pop()
 
@@ -150,7 +168,8 @@ def test_logged_lr_is_the_lr_of_the_update_after_a_skipped_step(skip_run):
 
 
 def test_resume_restores_into_the_shards_without_a_fresh_state_and_replaces_summary(
-    tmp_path, monkeypatch, fast_compile):
+  tmp_path, monkeypatch, fast_compile
+):
   """Defects: resuming built a whole fresh state before restoring (twice the memory), and
   summary.json was rewritten in place (a reader could see half a file)."""
   cfg = tiny("train.steps=4", "train.ckpt_every=2", "mesh.data=1")
@@ -159,11 +178,13 @@ def test_resume_restores_into_the_shards_without_a_fresh_state_and_replaces_summ
   ref = series(tmp_path, "loss")
   # as a kill after the checkpoint at step 2 leaves it: the logs past it are dropped on resume
   import shutil
+
   shutil.rmtree(tmp_path / "checkpoints" / "4")
   inode = (tmp_path / "summary.json").stat().st_ino
   state_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(restore_state(tmp_path, 2)))
 
   from mhc_jax.train.checkpoint import Checkpoints
+
   live = []
   real = Checkpoints.restore
 
@@ -173,6 +194,7 @@ def test_resume_restores_into_the_shards_without_a_fresh_state_and_replaces_summ
 
   monkeypatch.setattr(Checkpoints, "restore", restore)
   import gc
+
   gc.collect()
   before = sum(x.nbytes for x in jax.live_arrays())
   summary = train(prepare(cfg, devices=devices), tmp_path, resume=True, progress=False)

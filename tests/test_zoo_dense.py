@@ -5,6 +5,7 @@ The references run a stack of 2L mixer layers in float64 with their own sublayer
 ``F_l(x) = tanh(rmsnorm(x) W_l)`` (the contract kit's stand-in) and every mixer parameter
 perturbed, so masked-out history entries and masked weights carry noise that must be ignored.
 """
+
 import dataclasses
 import functools
 
@@ -20,7 +21,7 @@ from mhc_jax.model import Transformer, count_params, expected_params, scan_to_lo
 from mhc_jax.train.config import ModelConfig
 
 B, T, C = 2, 3, 8
-DEPTH = 3                 # blocks; 2L = 6 mixer layers
+DEPTH = 3  # blocks; 2L = 6 mixer layers
 LAYERS = 2 * DEPTH
 EPS = 1e-6
 
@@ -43,8 +44,8 @@ def dwa_reference(emb, fs, alphas, every="block", dilation=1, period=1):
   per = 2 if every == "block" else 1
   xs, y, outs = [emb], emb, []
   for i in range(1, len(fs) // per + 1):
-    for f in fs[(i - 1) * per:i * per]:
-      y = y + f(y)                                         # the block's own pre-norm residuals
+    for f in fs[(i - 1) * per : i * per]:
+      y = y + f(y)  # the block's own pre-norm residuals
     xs.append(y)
     if i % period == 0:
       y = sum(alphas[i][j] * xs[j] for j in range(i + 1) if (i - j) % dilation == 0)
@@ -65,9 +66,9 @@ def attnres_reference(emb, fs, queries, scales, block_size=1):
     hs.append(h)
     vs.append(f(h))
     outs = vs[1:]
-    srcs = [emb] + [sum(outs[b:b + block_size]) for b in range(0, len(outs), block_size)]
+    srcs = [emb] + [sum(outs[b : b + block_size]) for b in range(0, len(outs), block_size)]
     keys = [np_rms_norm(v) * scales[l + 1] for v in srcs]
-    logits = np.stack([k @ queries[l + 1] for k in keys])          # [S, B, T]
+    logits = np.stack([k @ queries[l + 1] for k in keys])  # [S, B, T]
     p = np.exp(logits - logits.max(0))
     p /= p.sum(0)
     h = sum(pi[..., None] * v for pi, v in zip(p, srcs))
@@ -80,7 +81,7 @@ def stack_run(name, opts, seed=0, eager=False):
   mixer = mixers.get(name, layers=LAYERS, **opts)
   keys = jax.random.split(jax.random.PRNGKey(seed), 2 * LAYERS + 1)
   emb = jax.random.normal(keys[0], (B, T, C))
-  ws = [jax.random.normal(k, (C, C)) / jnp.sqrt(C) for k in keys[1:LAYERS + 1]]
+  ws = [jax.random.normal(k, (C, C)) / jnp.sqrt(C) for k in keys[1 : LAYERS + 1]]
 
   def sub(w):
     return lambda x, value_fn=None: jnp.tanh(testing.rms_norm(x) @ w).astype(x.dtype)
@@ -107,19 +108,23 @@ def stack_run(name, opts, seed=0, eager=False):
   return np.asarray(emb, np.float64), fs, params, xs, state
 
 
-@pytest.mark.parametrize("opts,eager", [
-    ({}, False), ({}, True),
+@pytest.mark.parametrize(
+  "opts,eager",
+  [
+    ({}, False),
+    ({}, True),
     ({"every": "layer"}, False),
     ({"dilation": 2}, False),
     ({"every": "layer", "dilation": 3, "period": 2}, False),
-])
+  ],
+)
 def test_denseformer_matches_numpy_reference(opts, eager):
   emb, fs, params, xs, state = stack_run("denseformer", opts, eager=eager)
   per = 2 if opts.get("every", "block") == "block" else 1
   # row α_i lives in the mixer layer that ends DWA step i (the MLP call for every="block")
   alphas = {i: params[i * per - 1]["b_dwa"] for i in range(1, LAYERS // per + 1)}
   outs, final = dwa_reference(emb, fs, alphas, **opts)
-  np.testing.assert_allclose(xs[per - 1::per], outs, atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(xs[per - 1 :: per], outs, atol=1e-5, rtol=1e-5)
   np.testing.assert_allclose(xs[-1], final, atol=1e-5, rtol=1e-5)
   assert state["hist"].shape == (LAYERS // per + 1, B, T, C)
 
@@ -132,7 +137,7 @@ def test_attnres_matches_numpy_reference(opts):
   scales = {l + 2: p.get("b_key_scale", np.ones(C)) for l, p in enumerate(params)}
   assert ("b_key_scale" in params[0]) == opts.get("key_scale", True)
   hs, final = attnres_reference(emb, fs, queries, scales, opts.get("block_size", 1))
-  np.testing.assert_allclose(xs[:-1], hs[1:], atol=1e-5, rtol=1e-5)   # h_2..h_{2L}
+  np.testing.assert_allclose(xs[:-1], hs[1:], atol=1e-5, rtol=1e-5)  # h_2..h_{2L}
   np.testing.assert_allclose(xs[-1], final, atol=1e-5, rtol=1e-5)
 
 
@@ -161,10 +166,13 @@ def logits(cfg):
   return jax.jit(lambda p: Transformer(cfg).apply(p, TOKENS)[0])
 
 
-@pytest.mark.parametrize("mixer,opts,atol", [
-    ("denseformer", {}, 1e-6),   # α_ii = 1, others 0: exactly the residual
-    ("attnres", {}, 1e-4),       # w = 0: uniform means, equal to the sum after the pre-norm
-])
+@pytest.mark.parametrize(
+  "mixer,opts,atol",
+  [
+    ("denseformer", {}, 1e-6),  # α_ii = 1, others 0: exactly the residual
+    ("attnres", {}, 1e-4),  # w = 0: uniform means, equal to the sum after the pre-norm
+  ],
+)
 def test_starts_as_a_prenorm_residual(mixer, opts, atol, fast_compile):
   """Both papers' initialisation: the model equals the plain pre-norm residual Transformer with
   the same non-mixer parameters (the residual model ignores the mixer parameters)."""
@@ -174,8 +182,9 @@ def test_starts_as_a_prenorm_residual(mixer, opts, atol, fast_compile):
   chex.assert_trees_all_close(logits(cfg)(params), ref, atol=atol, rtol=atol)
 
 
-@pytest.mark.parametrize("mixer,opts", [("denseformer", {"dilation": 2}),
-                                        ("attnres", {"block_size": 3})])
+@pytest.mark.parametrize(
+  "mixer,opts", [("denseformer", {"dilation": 2}), ("attnres", {"block_size": 3})]
+)
 def test_scan_equals_loop_perturbed(mixer, opts, fast_compile):
   """Traced layer index under nn.scan == Python ints in a loop, away from the init."""
   cfg = cfg_for(mixer, **opts)
@@ -185,17 +194,25 @@ def test_scan_equals_loop_perturbed(mixer, opts, fast_compile):
   chex.assert_trees_all_close(logits(cfg)(p), logits(loop_cfg)(p_loop), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mixer,opts", [
-    ("denseformer", {}), ("denseformer", {"every": "layer"}),
-    ("attnres", {}), ("attnres", {"key_scale": False, "block_size": 2}),
-])
+@pytest.mark.parametrize(
+  "mixer,opts",
+  [
+    ("denseformer", {}),
+    ("denseformer", {"every": "layer"}),
+    ("attnres", {}),
+    ("attnres", {"key_scale": False, "block_size": 2}),
+  ],
+)
 def test_param_counts_match_closed_form(mixer, opts):
   cfg = cfg_for(mixer, **opts)
-  shapes = jax.eval_shape(lambda k: nn.meta.unbox(Transformer(cfg).init(k, TOKENS)),
-                          jax.random.PRNGKey(0))
+  shapes = jax.eval_shape(
+    lambda k: nn.meta.unbox(Transformer(cfg).init(k, TOKENS)), jax.random.PRNGKey(0)
+  )
   assert count_params(shapes) == expected_params(cfg)
-  per_layer = {"denseformer": {"block": 3, "layer": 5}[opts.get("every", "block")],
-               "attnres": 16 * (2 if opts.get("key_scale", True) else 1)}[mixer]
+  per_layer = {
+    "denseformer": {"block": 3, "layer": 5}[opts.get("every", "block")],
+    "attnres": 16 * (2 if opts.get("key_scale", True) else 1),
+  }[mixer]
   assert expected_params(cfg)["mixer"] == 4 * per_layer
 
 

@@ -26,59 +26,59 @@ from mhc_jax.data.windtunnel import BijectionTask, HMMTask, WindTunnel
 
 
 class Source(Protocol):
-    vocab_size: int
-    seq_len: int
-    has_posterior: bool
+  vocab_size: int
+  seq_len: int
+  has_posterior: bool
 
-    def batch(self, step: int, batch_size: int, split: str = "train") -> dict[str, Any]: ...
+  def batch(self, step: int, batch_size: int, split: str = "train") -> dict[str, Any]: ...
 
 
 def _tfds_source(**kw):
-    from mhc_jax.data.tfds_source import TFDSSource  # imports tensorflow_datasets lazily
+  from mhc_jax.data.tfds_source import TFDSSource  # imports tensorflow_datasets lazily
 
-    return TFDSSource(**kw)
+  return TFDSSource(**kw)
 
 
 def _tfds_options() -> set[str]:
-    from mhc_jax.data import tfds_source
+  from mhc_jax.data import tfds_source
 
-    return _options_of(tfds_source.TFDSSource)
+  return _options_of(tfds_source.TFDSSource)
 
 
 def _options_of(cls) -> set[str]:
-    params = inspect.signature(cls).parameters
-    return {n for n in params if n not in ("seq_len", "seed")}
+  params = inspect.signature(cls).parameters
+  return {n for n in params if n not in ("seq_len", "seed")}
 
 
 SOURCES: dict[str, tuple[Callable[..., Source], Callable[[], set[str]]]] = {
-    "bijection": (BijectionTask, lambda: _options_of(BijectionTask)),
-    "hmm": (HMMTask, lambda: _options_of(HMMTask)),
-    "text": (TextSource, lambda: _options_of(TextSource)),
-    "tfds": (_tfds_source, _tfds_options),
+  "bijection": (BijectionTask, lambda: _options_of(BijectionTask)),
+  "hmm": (HMMTask, lambda: _options_of(HMMTask)),
+  "text": (TextSource, lambda: _options_of(TextSource)),
+  "tfds": (_tfds_source, _tfds_options),
 }
 
 
 def make_source(task: str, *, seq_len: int, seed: int, **options: Any) -> Source:
-    """Build data source `task` (see the table above). Unknown names or options raise ValueError."""
-    if task not in SOURCES:
-        raise ValueError(f"unknown data task {task!r}; known: {sorted(SOURCES)}")
-    factory, known = SOURCES[task]
-    allowed = known()
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {unknown} for data task {task!r}; known options: {sorted(allowed)}"
-        )
-    return factory(seq_len=seq_len, seed=seed, **options)
+  """Build data source `task` (see the table above). Unknown names or options raise ValueError."""
+  if task not in SOURCES:
+    raise ValueError(f"unknown data task {task!r}; known: {sorted(SOURCES)}")
+  factory, known = SOURCES[task]
+  allowed = known()
+  unknown = sorted(set(options) - allowed)
+  if unknown:
+    raise ValueError(
+      f"unknown option(s) {unknown} for data task {task!r}; known options: {sorted(allowed)}"
+    )
+  return factory(seq_len=seq_len, seed=seed, **options)
 
 
 __all__ = [
-    "BijectionTask",
-    "ByteWindows",
-    "HMMTask",
-    "SOURCES",
-    "Source",
-    "TextSource",
-    "WindTunnel",
-    "make_source",
+  "BijectionTask",
+  "ByteWindows",
+  "HMMTask",
+  "SOURCES",
+  "Source",
+  "TextSource",
+  "WindTunnel",
+  "make_source",
 ]

@@ -71,64 +71,64 @@ _SAMPLER_CACHE: dict = {}
 
 
 def split_id(split: str) -> int:
-    if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
-    return SPLITS[split]
+  if split not in SPLITS:
+    raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
+  return SPLITS[split]
 
 
 def entropy_bits(p: jax.Array, axis: int = -1) -> jax.Array:
-    """Entropy in bits of distributions along `axis` (0 log 0 = 0)."""
-    p = p.astype(jnp.float32)
-    return jnp.maximum(-jnp.sum(jax.scipy.special.xlogy(p, p), axis=axis) / _LN2, 0.0)
+  """Entropy in bits of distributions along `axis` (0 log 0 = 0)."""
+  p = p.astype(jnp.float32)
+  return jnp.maximum(-jnp.sum(jax.scipy.special.xlogy(p, p), axis=axis) / _LN2, 0.0)
 
 
 class WindTunnel:
-    """Common `batch` machinery; subclasses define `sample(key, batch_size)`."""
+  """Common `batch` machinery; subclasses define `sample(key, batch_size)`."""
 
-    has_posterior = True
-    vocab_size: int
-    seq_len: int
-    seed: int
+  has_posterior = True
+  vocab_size: int
+  seq_len: int
+  seed: int
 
-    def _init_jit(self) -> None:
-        # One compiled sampler per task configuration (the seed only enters through the key), so
-        # fresh source objects with equal options (resumes, evals, tests) do not recompile.
-        fields = tuple(
-            (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "seed"
-        )
-        cache_key = (type(self), fields)
-        if cache_key not in _SAMPLER_CACHE:
-            _SAMPLER_CACHE[cache_key] = jax.jit(self.sample, static_argnums=1)
-        self._sample_jit = _SAMPLER_CACHE[cache_key]
+  def _init_jit(self) -> None:
+    # One compiled sampler per task configuration (the seed only enters through the key), so
+    # fresh source objects with equal options (resumes, evals, tests) do not recompile.
+    fields = tuple(
+      (f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "seed"
+    )
+    cache_key = (type(self), fields)
+    if cache_key not in _SAMPLER_CACHE:
+      _SAMPLER_CACHE[cache_key] = jax.jit(self.sample, static_argnums=1)
+    self._sample_jit = _SAMPLER_CACHE[cache_key]
 
-    def key_for(self, step: int, split: str = "train") -> jax.Array:
-        """The PRNG key of batch `step` of `split`: fold_in(fold_in(key(seed), split), step)."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        k = jax.random.key(self.seed)
-        k = jax.random.fold_in(k, split_id(split))
-        return jax.random.fold_in(k, step)
+  def key_for(self, step: int, split: str = "train") -> jax.Array:
+    """The PRNG key of batch `step` of `split`: fold_in(fold_in(key(seed), split), step)."""
+    if step < 0:
+      raise ValueError(f"step must be >= 0, got {step}")
+    k = jax.random.key(self.seed)
+    k = jax.random.fold_in(k, split_id(split))
+    return jax.random.fold_in(k, step)
 
-    def batch(self, step: int, batch_size: int, split: str = "train") -> dict[str, jax.Array]:
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        return self._sample_jit(self.key_for(step, split), int(batch_size))
+  def batch(self, step: int, batch_size: int, split: str = "train") -> dict[str, jax.Array]:
+    if batch_size < 1:
+      raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return self._sample_jit(self.key_for(step, split), int(batch_size))
 
-    def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:  # pragma: no cover
-        raise NotImplementedError
+  def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:  # pragma: no cover
+    raise NotImplementedError
 
-    def baselines(self, inputs) -> dict[str, np.ndarray]:  # pragma: no cover
-        raise NotImplementedError
+  def baselines(self, inputs) -> dict[str, np.ndarray]:  # pragma: no cover
+    raise NotImplementedError
 
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"option {name!r} must be an integer, got {value!r}")
-    value = int(value)
-    if value < lo or (hi is not None and value > hi):
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"option {name!r} must be {rng}, got {value}")
-    return value
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"option {name!r} must be an integer, got {value!r}")
+  value = int(value)
+  if value < lo or (hi is not None and value > hi):
+    rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+    raise ValueError(f"option {name!r} must be {rng}, got {value}")
+  return value
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,99 +137,99 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
 
 
 def bijection_posterior(keys: jax.Array, values: jax.Array, n_symbols: int):
-    """Exact posterior over π(k_i) given pairs j < i, for one sequence.
+  """Exact posterior over π(k_i) given pairs j < i, for one sequence.
 
-    keys, values: [N] int (values in 0..V-1). Returns (posterior [N, V], evidence [N]) where
-    evidence is the number of distinct values revealed before pair i.
-    """
-    V = n_symbols
-    onehot = jax.nn.one_hot(values, V, dtype=jnp.float32)  # [N, V]
-    revealed = (jnp.cumsum(onehot, axis=0) - onehot) > 0  # exclusive: pairs j < i
-    m = jnp.sum(revealed, axis=-1)  # distinct values (= distinct keys) revealed
-    seen = jnp.take_along_axis(revealed, values[:, None], axis=-1)[:, 0]
-    uniform = jnp.where(revealed, 0.0, 1.0) / jnp.maximum(V - m, 1)[:, None]
-    post = jnp.where(seen[:, None], onehot, uniform)
-    return post.astype(jnp.float32), m.astype(jnp.int32)
+  keys, values: [N] int (values in 0..V-1). Returns (posterior [N, V], evidence [N]) where
+  evidence is the number of distinct values revealed before pair i.
+  """
+  V = n_symbols
+  onehot = jax.nn.one_hot(values, V, dtype=jnp.float32)  # [N, V]
+  revealed = (jnp.cumsum(onehot, axis=0) - onehot) > 0  # exclusive: pairs j < i
+  m = jnp.sum(revealed, axis=-1)  # distinct values (= distinct keys) revealed
+  seen = jnp.take_along_axis(revealed, values[:, None], axis=-1)[:, 0]
+  uniform = jnp.where(revealed, 0.0, 1.0) / jnp.maximum(V - m, 1)[:, None]
+  post = jnp.where(seen[:, None], onehot, uniform)
+  return post.astype(jnp.float32), m.astype(jnp.int32)
 
 
 @dataclasses.dataclass
 class BijectionTask(WindTunnel):
-    """Key -> value lookups under a fresh random permutation per sequence.
+  """Key -> value lookups under a fresh random permutation per sequence.
 
-    Options: `n_symbols` V (default 20), `n_pairs` (default seq_len // 2; at most seq_len // 2,
-    and at most V without replacement), `replacement` (keys drawn with replacement, default True:
-    repeated keys make the entropy depend on history rather than position).
-    """
+  Options: `n_symbols` V (default 20), `n_pairs` (default seq_len // 2; at most seq_len // 2,
+  and at most V without replacement), `replacement` (keys drawn with replacement, default True:
+  repeated keys make the entropy depend on history rather than position).
+  """
 
-    seq_len: int
-    seed: int
-    n_symbols: int = 20
-    n_pairs: int | None = None
-    replacement: bool = True
+  seq_len: int
+  seed: int
+  n_symbols: int = 20
+  n_pairs: int | None = None
+  replacement: bool = True
 
-    def __post_init__(self):
-        self.seq_len = _check_int("seq_len", self.seq_len, 2)
-        self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
-        if not isinstance(self.replacement, bool):
-            raise ValueError(f"option 'replacement' must be a bool, got {self.replacement!r}")
-        max_pairs = self.seq_len // 2
-        if not self.replacement:
-            max_pairs = min(max_pairs, self.n_symbols)
-        if self.n_pairs is None:
-            self.n_pairs = max_pairs
-        self.n_pairs = _check_int("n_pairs", self.n_pairs, 1, max_pairs)
-        V = self.n_symbols
-        self.bos, self.pad = 2 * V, 2 * V + 1
-        self.vocab_size = 2 * V + 2
-        self._init_jit()
+  def __post_init__(self):
+    self.seq_len = _check_int("seq_len", self.seq_len, 2)
+    self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
+    if not isinstance(self.replacement, bool):
+      raise ValueError(f"option 'replacement' must be a bool, got {self.replacement!r}")
+    max_pairs = self.seq_len // 2
+    if not self.replacement:
+      max_pairs = min(max_pairs, self.n_symbols)
+    if self.n_pairs is None:
+      self.n_pairs = max_pairs
+    self.n_pairs = _check_int("n_pairs", self.n_pairs, 1, max_pairs)
+    V = self.n_symbols
+    self.bos, self.pad = 2 * V, 2 * V + 1
+    self.vocab_size = 2 * V + 2
+    self._init_jit()
 
-    def sample_one(self, key: jax.Array) -> dict[str, jax.Array]:
-        V, N, T = self.n_symbols, self.n_pairs, self.seq_len
-        # one draw of random bits for everything (cheap to compile): the permutation and the key
-        # order are argsorts of 32-bit random words, keys with replacement are words mod V
-        bits = jax.random.bits(key, (2 * V + N,), jnp.uint32)
-        perm = jnp.argsort(bits[:V]).astype(jnp.int32)
-        if self.replacement:
-            keys = (bits[2 * V :] % V).astype(jnp.int32)
-        else:
-            keys = jnp.argsort(bits[V : 2 * V])[:N].astype(jnp.int32)
-        values = perm[keys]
-        post_N, evidence_N = bijection_posterior(keys, values, V)
+  def sample_one(self, key: jax.Array) -> dict[str, jax.Array]:
+    V, N, T = self.n_symbols, self.n_pairs, self.seq_len
+    # one draw of random bits for everything (cheap to compile): the permutation and the key
+    # order are argsorts of 32-bit random words, keys with replacement are words mod V
+    bits = jax.random.bits(key, (2 * V + N,), jnp.uint32)
+    perm = jnp.argsort(bits[:V]).astype(jnp.int32)
+    if self.replacement:
+      keys = (bits[2 * V :] % V).astype(jnp.int32)
+    else:
+      keys = jnp.argsort(bits[V : 2 * V])[:N].astype(jnp.int32)
+    values = perm[keys]
+    post_N, evidence_N = bijection_posterior(keys, values, V)
 
-        pairs = jnp.stack([keys, values + V], axis=-1).reshape(-1)  # [2N]
-        n_tail = T + 1 - 1 - 2 * N
-        tokens = jnp.concatenate(
-            [jnp.array([self.bos]), pairs, jnp.full((n_tail,), self.pad)]
-        ).astype(jnp.int32)
-        q_pos = 1 + 2 * jnp.arange(N)  # input positions holding the keys
-        mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
-        posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
-        posterior = posterior.at[q_pos, V : 2 * V].set(post_N)
-        evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(evidence_N)
-        return {
-            "inputs": tokens[:-1],
-            "targets": tokens[1:],
-            "mask": mask,
-            "posterior": posterior,
-            "entropy": entropy_bits(posterior) * mask,
-            "evidence": evidence,
-            "permutation": perm.astype(jnp.int32),
-        }
+    pairs = jnp.stack([keys, values + V], axis=-1).reshape(-1)  # [2N]
+    n_tail = T + 1 - 1 - 2 * N
+    tokens = jnp.concatenate([jnp.array([self.bos]), pairs, jnp.full((n_tail,), self.pad)]).astype(
+      jnp.int32
+    )
+    q_pos = 1 + 2 * jnp.arange(N)  # input positions holding the keys
+    mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
+    posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
+    posterior = posterior.at[q_pos, V : 2 * V].set(post_N)
+    evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(evidence_N)
+    return {
+      "inputs": tokens[:-1],
+      "targets": tokens[1:],
+      "mask": mask,
+      "posterior": posterior,
+      "entropy": entropy_bits(posterior) * mask,
+      "evidence": evidence,
+      "permutation": perm.astype(jnp.int32),
+    }
 
-    def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
-        out = jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
-        out.pop("permutation")
-        return out
+  def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+    out = jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
+    out.pop("permutation")
+    return out
 
-    def baselines(self, inputs) -> dict[str, np.ndarray]:
-        """`uniform`: the uniform guess over the V values at every key position ([B,T,V] float64,
-        zero rows elsewhere). The layout fixes the supervised positions, so `inputs` only gives
-        the shape."""
-        B, T = np.shape(inputs)
-        V = self.n_symbols
-        out = np.zeros((B, T, self.vocab_size))
-        out[:, 1 : 1 + 2 * self.n_pairs : 2, V : 2 * V] = 1.0 / V
-        return {"uniform": out}
+  def baselines(self, inputs) -> dict[str, np.ndarray]:
+    """`uniform`: the uniform guess over the V values at every key position ([B,T,V] float64,
+    zero rows elsewhere). The layout fixes the supervised positions, so `inputs` only gives
+    the shape."""
+    B, T = np.shape(inputs)
+    V = self.n_symbols
+    out = np.zeros((B, T, self.vocab_size))
+    out[:, 1 : 1 + 2 * self.n_pairs : 2, V : 2 * V] = 1.0 / V
+    return {"uniform": out}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,54 +238,54 @@ class BijectionTask(WindTunnel):
 
 
 def hmm_forward(log_pi0: jax.Array, log_T: jax.Array, log_E: jax.Array, obs: jax.Array):
-    """Forward algorithm in log space for one observation sequence.
+  """Forward algorithm in log space for one observation sequence.
 
-    log_pi0 [S], log_T [S,S] (row = from), log_E [S,K], obs [L] int.
-    Returns (log_predictive [L+1, K], log_filtered [L, S]):
-    `log_predictive[t] = log p(o_{t+1} = . | o_1..t)` (row 0 is the prior predictive before any
-    observation, row L predicts one step past the end); `log_filtered[t] = log p(s_{t+1} | o_1..t+1)`.
-    """
-    lse = jax.scipy.special.logsumexp
+  log_pi0 [S], log_T [S,S] (row = from), log_E [S,K], obs [L] int.
+  Returns (log_predictive [L+1, K], log_filtered [L, S]):
+  `log_predictive[t] = log p(o_{t+1} = . | o_1..t)` (row 0 is the prior predictive before any
+  observation, row L predicts one step past the end); `log_filtered[t] = log p(s_{t+1} | o_1..t+1)`.
+  """
+  lse = jax.scipy.special.logsumexp
 
-    def predictive(log_state):  # log p(s) -> log p(o)
-        return lse(log_state[:, None] + log_E, axis=0)
+  def predictive(log_state):  # log p(s) -> log p(o)
+    return lse(log_state[:, None] + log_E, axis=0)
 
-    def step(log_prior_state, o):
-        log_joint = log_prior_state + log_E[:, o]
-        log_filt = log_joint - lse(log_joint)
-        log_next = lse(log_filt[:, None] + log_T, axis=0)
-        return log_next, (log_filt, predictive(log_next))
+  def step(log_prior_state, o):
+    log_joint = log_prior_state + log_E[:, o]
+    log_filt = log_joint - lse(log_joint)
+    log_next = lse(log_filt[:, None] + log_T, axis=0)
+    return log_next, (log_filt, predictive(log_next))
 
-    _, (log_filtered, log_pred_rest) = jax.lax.scan(step, log_pi0, obs)
-    log_pred = jnp.concatenate([predictive(log_pi0)[None], log_pred_rest], axis=0)
-    return log_pred, log_filtered
+  _, (log_filtered, log_pred_rest) = jax.lax.scan(step, log_pi0, obs)
+  log_pred = jnp.concatenate([predictive(log_pi0)[None], log_pred_rest], axis=0)
+  return log_pred, log_filtered
 
 
 def uniform_from_bits(bits: jax.Array) -> jax.Array:
-    """uint32 random words -> float32 uniforms in (0, 1) (24-bit resolution, never 0 or 1)."""
-    return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / 2**24)
+  """uint32 random words -> float32 uniforms in (0, 1) (24-bit resolution, never 0 or 1)."""
+  return ((bits >> 8).astype(jnp.float32) + 0.5) * (1.0 / 2**24)
 
 
 def dirichlet_rows(key: jax.Array, alpha: float, u: jax.Array) -> jax.Array:
-    """Rows ~ Dirichlet(alpha, ..., alpha), shape of the uniforms `u`. alpha = 1 (the default)
-    normalises the exponentials -log(u), which is exact and much cheaper to compile than the
-    gamma sampler used otherwise (from `key`)."""
-    if alpha == 1.0:
-        x = -jnp.log(u)
-    else:
-        x = jax.random.gamma(key, alpha, u.shape)
-    return x / jnp.sum(x, axis=-1, keepdims=True)
+  """Rows ~ Dirichlet(alpha, ..., alpha), shape of the uniforms `u`. alpha = 1 (the default)
+  normalises the exponentials -log(u), which is exact and much cheaper to compile than the
+  gamma sampler used otherwise (from `key`)."""
+  if alpha == 1.0:
+    x = -jnp.log(u)
+  else:
+    x = jax.random.gamma(key, alpha, u.shape)
+  return x / jnp.sum(x, axis=-1, keepdims=True)
 
 
 def levels_from_probs(p: jax.Array, n_levels: int) -> jax.Array:
-    """Discretise probabilities to integer levels in 1..Q (Q = n_levels)."""
-    return jnp.clip(jnp.round(p * n_levels), 1, n_levels).astype(jnp.int32)
+  """Discretise probabilities to integer levels in 1..Q (Q = n_levels)."""
+  return jnp.clip(jnp.round(p * n_levels), 1, n_levels).astype(jnp.int32)
 
 
 def probs_from_levels(levels: jax.Array) -> jax.Array:
-    """The row-stochastic matrix a header of levels stands for."""
-    levels = levels.astype(jnp.float32)
-    return levels / jnp.sum(levels, axis=-1, keepdims=True)
+  """The row-stochastic matrix a header of levels stands for."""
+  levels = levels.astype(jnp.float32)
+  return levels / jnp.sum(levels, axis=-1, keepdims=True)
 
 
 PREDICT = ("state", "observation")
@@ -293,229 +293,230 @@ PREDICT = ("state", "observation")
 
 @dataclasses.dataclass
 class HMMTask(WindTunnel):
-    """A fresh HMM per sequence, its parameters in a header; filtering (default) or prediction.
+  """A fresh HMM per sequence, its parameters in a header; filtering (default) or prediction.
 
-    Options: `n_states` S (5), `n_symbols` K (5), `length` (observations per sequence; default
-    fills the sequence after the header), `alpha` (Dirichlet concentration of the rows, 1.0),
-    `n_levels` Q (discretisation levels of the header, 10), `predict` ("state": the filtered
-    posterior over hidden states, read from the model as an S-way output on the state-label
-    tokens, the default; "observation": the next-observation predictive), `stickiness` rho in
-    [0, 1) (each transition row is `(1 - rho) Dirichlet + rho e_i` before discretisation: sticky
-    chains make the history matter beyond the last observation; 0 = the papers' generator).
+  Options: `n_states` S (5), `n_symbols` K (5), `length` (observations per sequence; default
+  fills the sequence after the header), `alpha` (Dirichlet concentration of the rows, 1.0),
+  `n_levels` Q (discretisation levels of the header, 10), `predict` ("state": the filtered
+  posterior over hidden states, read from the model as an S-way output on the state-label
+  tokens, the default; "observation": the next-observation predictive), `stickiness` rho in
+  [0, 1) (each transition row is `(1 - rho) Dirichlet + rho e_i` before discretisation: sticky
+  chains make the history matter beyond the last observation; 0 = the papers' generator).
+  """
+
+  seq_len: int
+  seed: int
+  n_states: int = 5
+  n_symbols: int = 5
+  length: int | None = None
+  alpha: float = 1.0
+  n_levels: int = 10
+  predict: str = "state"
+  stickiness: float = 0.0
+
+  def __post_init__(self):
+    self.seq_len = _check_int("seq_len", self.seq_len, 2)
+    self.n_states = _check_int("n_states", self.n_states, 1)
+    self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
+    self.n_levels = _check_int("n_levels", self.n_levels, 1)
+    if (
+      isinstance(self.alpha, bool)
+      or not isinstance(self.alpha, (int, float))
+      or not (self.alpha > 0)
+    ):
+      raise ValueError(f"option 'alpha' must be a positive number, got {self.alpha!r}")
+    self.alpha = float(self.alpha)
+    if self.predict not in PREDICT:
+      raise ValueError(
+        f"option 'predict' must be one of {', '.join(PREDICT)}, got {self.predict!r}"
+      )
+    rho = self.stickiness
+    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (0 <= rho < 1):
+      raise ValueError(f"option 'stickiness' must be a number in [0, 1), got {rho!r}")
+    self.stickiness = float(rho)
+    S, K, Q = self.n_states, self.n_symbols, self.n_levels
+    self.header_len = 1 + S * S + S * K + 1  # BOS, T, E, SEP
+    # filtering needs o_L among the inputs; prediction only as the last target
+    max_len = self.seq_len + (0 if self.predict == "state" else 1) - self.header_len
+    if max_len < 1:
+      raise ValueError(
+        f"seq_len={self.seq_len} too short for the HMM header ({self.header_len} tokens "
+        f"for n_states={S}, n_symbols={K}) and one observation; need seq_len >= "
+        f"{self.seq_len - max_len + 1}"
+      )
+    if self.length is None:
+      self.length = max_len
+    self.length = _check_int("length", self.length, 1, max_len)
+    self.level_offset = K
+    self.bos, self.sep, self.pad = K + Q, K + Q + 1, K + Q + 2
+    if self.predict == "state":
+      self.state_offset = K + Q + 3
+      self.vocab_size = K + Q + 3 + S
+    else:
+      self.state_offset = None
+      self.vocab_size = K + Q + 3
+    self._init_jit()
+
+  @property
+  def answer_slice(self) -> slice:
+    """The tokens the posterior lives on (state labels, or observation symbols)."""
+    if self.predict == "state":
+      return slice(self.state_offset, self.state_offset + self.n_states)
+    return slice(0, self.n_symbols)
+
+  def parse_header(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(T, E) float64 matrices from the header of one token sequence (numpy, for tests/probes)."""
+    S, K = self.n_states, self.n_symbols
+    tokens = np.asarray(tokens)
+    assert tokens[0] == self.bos and tokens[self.header_len - 1] == self.sep
+    lv = tokens[1 : self.header_len - 1].astype(np.int64) - self.level_offset + 1
+    lT = lv[: S * S].reshape(S, S).astype(np.float64)
+    lE = lv[S * S :].reshape(S, K).astype(np.float64)
+    return lT / lT.sum(-1, keepdims=True), lE / lE.sum(-1, keepdims=True)
+
+  def sample_one(self, key: jax.Array) -> dict[str, jax.Array]:
+    S, K, L, T, Q = self.n_states, self.n_symbols, self.length, self.seq_len, self.n_levels
+    # one draw of random words for everything (cheap to compile), cut into uniforms
+    k_bits, k_T, k_E = (key,) * 3 if self.alpha == 1.0 else jax.random.split(key, 3)
+    sizes = [S * S, S * K, L * S, L * K]
+    u = uniform_from_bits(jax.random.bits(k_bits, (sum(sizes),), jnp.uint32))
+    u_T, u_E, u_s, u_o = jnp.split(u, np.cumsum(sizes)[:-1])
+    p_T = dirichlet_rows(k_T, self.alpha, u_T.reshape(S, S))
+    if self.stickiness > 0:
+      p_T = (1.0 - self.stickiness) * p_T + self.stickiness * jnp.eye(S)
+    lev_T = levels_from_probs(p_T, Q)
+    lev_E = levels_from_probs(dirichlet_rows(k_E, self.alpha, u_E.reshape(S, K)), Q)
+    log_T = jnp.log(probs_from_levels(lev_T))
+    log_E = jnp.log(probs_from_levels(lev_E))
+    log_pi0 = jnp.full((S,), -math.log(S), jnp.float32)
+
+    # Gumbel-max sampling of the state chain, then of all emissions at once
+    g_s = -jnp.log(-jnp.log(u_s.reshape(L, S)))
+    g_o = -jnp.log(-jnp.log(u_o.reshape(L, K)))
+    s0 = jnp.argmax(log_pi0 + g_s[0])
+
+    def run(s, g):
+      return jnp.argmax(log_T[s] + g), s
+
+    s_last, states = jax.lax.scan(run, s0, g_s[1:])  # emits s_1..s_{L-1}, ends at s_L
+    states = jnp.concatenate([states, s_last[None]])
+    obs = jnp.argmax(log_E[states] + g_o, axis=-1)
+    log_pred, log_filt = hmm_forward(log_pi0, log_T, log_E, obs)
+
+    header = jnp.concatenate([lev_T.reshape(-1), lev_E.reshape(-1)]) + (self.level_offset - 1)
+    n_tail = T + 1 - self.header_len - L
+    tokens = jnp.concatenate(
+      [
+        jnp.array([self.bos]),
+        header,
+        jnp.array([self.sep]),
+        obs,
+        jnp.full((n_tail,), self.pad),
+      ]
+    ).astype(jnp.int32)
+    targets = tokens[1:]
+
+    # input positions: SEP at h-1, o_t at h-1+t (t = 1..L)
+    h = self.header_len
+    obs_pos = h - 1 + jnp.arange(1, L + 1)
+    posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
+    if self.predict == "state":  # supervised: o_1..o_L, answer s_t
+      q_pos = obs_pos
+      posterior = posterior.at[q_pos, self.answer_slice].set(jnp.exp(log_filt))
+      targets = targets.at[q_pos].set(self.state_offset + states.astype(jnp.int32))
+      evidence_L = jnp.arange(1, L + 1, dtype=jnp.int32)
+    else:  # supervised: SEP, o_1..o_{L-1}, answer o_{t+1}
+      q_pos = h - 1 + jnp.arange(L)
+      posterior = posterior.at[q_pos, :K].set(jnp.exp(log_pred[:L]))
+      evidence_L = jnp.arange(L, dtype=jnp.int32)
+    mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
+    evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(evidence_L)
+    # filtered state posterior after the observation at each input position
+    state_post = jnp.zeros((T + 1, S), jnp.float32)
+    state_post = state_post.at[h - 1].set(jnp.exp(log_pi0))
+    state_post = state_post.at[obs_pos].set(jnp.exp(log_filt))[:T]
+    return {
+      "inputs": tokens[:-1],
+      "targets": targets,
+      "mask": mask,
+      "posterior": posterior,
+      "entropy": entropy_bits(posterior) * mask,
+      "evidence": evidence,
+      "state_posterior": state_post,
+    }
+
+  def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+    return jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
+
+  # ------------------------------------------------------------------------------ baselines
+
+  BASELINES = ("uniform", "header_only", "header_blind", "last_obs")
+
+  def baselines(self, inputs) -> dict[str, np.ndarray]:
+    """Exact reference guesses at the supervised positions of `inputs [B,T]` (numpy float64,
+    `[B,T,V]`, zero rows elsewhere), each from a restricted view of the sequence:
+
+    - `uniform`: uniform over the answer tokens (S state labels, or K symbols).
+    - `header_only`: reads the header, ignores every observation: the prior marginal
+      `p(s_t | header) = pi0 T^(t-1)` (prediction: `pi0 T^t E`). With Dirichlet(1) rows and
+      `predict="observation"` this is within ~0.002 bits of the exact target, which is why
+      prediction does not test filtering.
+    - `header_blind`: ignores the header, reads the observations. Filtering: the uniform guess,
+      which is the best any header-blind guess can do in expectation, because the prior over
+      HMMs is symmetric in the state labels (only the header ties a label to a state).
+      Prediction: add-one (Laplace) counts of o_1..o_t.
+    - `last_obs`: reads the header and only the latest observation:
+      `p(s_t | header, o_t) ∝ p(s_t | header) E[s_t, o_t]` (prediction: that, moved one step
+      by T and emitted by E; the prior predictive at SEP). Whatever a model gains over this
+      needs the history, i.e. filtering proper.
     """
-
-    seq_len: int
-    seed: int
-    n_states: int = 5
-    n_symbols: int = 5
-    length: int | None = None
-    alpha: float = 1.0
-    n_levels: int = 10
-    predict: str = "state"
-    stickiness: float = 0.0
-
-    def __post_init__(self):
-        self.seq_len = _check_int("seq_len", self.seq_len, 2)
-        self.n_states = _check_int("n_states", self.n_states, 1)
-        self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
-        self.n_levels = _check_int("n_levels", self.n_levels, 1)
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not (
-            self.alpha > 0
-        ):
-            raise ValueError(f"option 'alpha' must be a positive number, got {self.alpha!r}")
-        self.alpha = float(self.alpha)
-        if self.predict not in PREDICT:
-            raise ValueError(
-                f"option 'predict' must be one of {', '.join(PREDICT)}, got {self.predict!r}"
-            )
-        rho = self.stickiness
-        if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (0 <= rho < 1):
-            raise ValueError(f"option 'stickiness' must be a number in [0, 1), got {rho!r}")
-        self.stickiness = float(rho)
-        S, K, Q = self.n_states, self.n_symbols, self.n_levels
-        self.header_len = 1 + S * S + S * K + 1  # BOS, T, E, SEP
-        # filtering needs o_L among the inputs; prediction only as the last target
-        max_len = self.seq_len + (0 if self.predict == "state" else 1) - self.header_len
-        if max_len < 1:
-            raise ValueError(
-                f"seq_len={self.seq_len} too short for the HMM header ({self.header_len} tokens "
-                f"for n_states={S}, n_symbols={K}) and one observation; need seq_len >= "
-                f"{self.seq_len - max_len + 1}"
-            )
-        if self.length is None:
-            self.length = max_len
-        self.length = _check_int("length", self.length, 1, max_len)
-        self.level_offset = K
-        self.bos, self.sep, self.pad = K + Q, K + Q + 1, K + Q + 2
-        if self.predict == "state":
-            self.state_offset = K + Q + 3
-            self.vocab_size = K + Q + 3 + S
-        else:
-            self.state_offset = None
-            self.vocab_size = K + Q + 3
-        self._init_jit()
-
-    @property
-    def answer_slice(self) -> slice:
-        """The tokens the posterior lives on (state labels, or observation symbols)."""
-        if self.predict == "state":
-            return slice(self.state_offset, self.state_offset + self.n_states)
-        return slice(0, self.n_symbols)
-
-    def parse_header(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(T, E) float64 matrices from the header of one token sequence (numpy, for tests/probes)."""
-        S, K = self.n_states, self.n_symbols
-        tokens = np.asarray(tokens)
-        assert tokens[0] == self.bos and tokens[self.header_len - 1] == self.sep
-        lv = tokens[1 : self.header_len - 1].astype(np.int64) - self.level_offset + 1
-        lT = lv[: S * S].reshape(S, S).astype(np.float64)
-        lE = lv[S * S :].reshape(S, K).astype(np.float64)
-        return lT / lT.sum(-1, keepdims=True), lE / lE.sum(-1, keepdims=True)
-
-    def sample_one(self, key: jax.Array) -> dict[str, jax.Array]:
-        S, K, L, T, Q = self.n_states, self.n_symbols, self.length, self.seq_len, self.n_levels
-        # one draw of random words for everything (cheap to compile), cut into uniforms
-        k_bits, k_T, k_E = (key,) * 3 if self.alpha == 1.0 else jax.random.split(key, 3)
-        sizes = [S * S, S * K, L * S, L * K]
-        u = uniform_from_bits(jax.random.bits(k_bits, (sum(sizes),), jnp.uint32))
-        u_T, u_E, u_s, u_o = jnp.split(u, np.cumsum(sizes)[:-1])
-        p_T = dirichlet_rows(k_T, self.alpha, u_T.reshape(S, S))
-        if self.stickiness > 0:
-            p_T = (1.0 - self.stickiness) * p_T + self.stickiness * jnp.eye(S)
-        lev_T = levels_from_probs(p_T, Q)
-        lev_E = levels_from_probs(dirichlet_rows(k_E, self.alpha, u_E.reshape(S, K)), Q)
-        log_T = jnp.log(probs_from_levels(lev_T))
-        log_E = jnp.log(probs_from_levels(lev_E))
-        log_pi0 = jnp.full((S,), -math.log(S), jnp.float32)
-
-        # Gumbel-max sampling of the state chain, then of all emissions at once
-        g_s = -jnp.log(-jnp.log(u_s.reshape(L, S)))
-        g_o = -jnp.log(-jnp.log(u_o.reshape(L, K)))
-        s0 = jnp.argmax(log_pi0 + g_s[0])
-
-        def run(s, g):
-            return jnp.argmax(log_T[s] + g), s
-
-        s_last, states = jax.lax.scan(run, s0, g_s[1:])  # emits s_1..s_{L-1}, ends at s_L
-        states = jnp.concatenate([states, s_last[None]])
-        obs = jnp.argmax(log_E[states] + g_o, axis=-1)
-        log_pred, log_filt = hmm_forward(log_pi0, log_T, log_E, obs)
-
-        header = jnp.concatenate(
-            [lev_T.reshape(-1), lev_E.reshape(-1)]
-        ) + (self.level_offset - 1)
-        n_tail = T + 1 - self.header_len - L
-        tokens = jnp.concatenate(
-            [
-                jnp.array([self.bos]),
-                header,
-                jnp.array([self.sep]),
-                obs,
-                jnp.full((n_tail,), self.pad),
-            ]
-        ).astype(jnp.int32)
-        targets = tokens[1:]
-
-        # input positions: SEP at h-1, o_t at h-1+t (t = 1..L)
-        h = self.header_len
-        obs_pos = h - 1 + jnp.arange(1, L + 1)
-        posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
-        if self.predict == "state":  # supervised: o_1..o_L, answer s_t
-            q_pos = obs_pos
-            posterior = posterior.at[q_pos, self.answer_slice].set(jnp.exp(log_filt))
-            targets = targets.at[q_pos].set(self.state_offset + states.astype(jnp.int32))
-            evidence_L = jnp.arange(1, L + 1, dtype=jnp.int32)
-        else:  # supervised: SEP, o_1..o_{L-1}, answer o_{t+1}
-            q_pos = h - 1 + jnp.arange(L)
-            posterior = posterior.at[q_pos, :K].set(jnp.exp(log_pred[:L]))
-            evidence_L = jnp.arange(L, dtype=jnp.int32)
-        mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
-        evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(evidence_L)
-        # filtered state posterior after the observation at each input position
-        state_post = jnp.zeros((T + 1, S), jnp.float32)
-        state_post = state_post.at[h - 1].set(jnp.exp(log_pi0))
-        state_post = state_post.at[obs_pos].set(jnp.exp(log_filt))[:T]
-        return {
-            "inputs": tokens[:-1],
-            "targets": targets,
-            "mask": mask,
-            "posterior": posterior,
-            "entropy": entropy_bits(posterior) * mask,
-            "evidence": evidence,
-            "state_posterior": state_post,
-        }
-
-    def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
-        return jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
-
-    # ------------------------------------------------------------------------------ baselines
-
-    BASELINES = ("uniform", "header_only", "header_blind", "last_obs")
-
-    def baselines(self, inputs) -> dict[str, np.ndarray]:
-        """Exact reference guesses at the supervised positions of `inputs [B,T]` (numpy float64,
-        `[B,T,V]`, zero rows elsewhere), each from a restricted view of the sequence:
-
-        - `uniform`: uniform over the answer tokens (S state labels, or K symbols).
-        - `header_only`: reads the header, ignores every observation: the prior marginal
-          `p(s_t | header) = pi0 T^(t-1)` (prediction: `pi0 T^t E`). With Dirichlet(1) rows and
-          `predict="observation"` this is within ~0.002 bits of the exact target, which is why
-          prediction does not test filtering.
-        - `header_blind`: ignores the header, reads the observations. Filtering: the uniform guess,
-          which is the best any header-blind guess can do in expectation, because the prior over
-          HMMs is symmetric in the state labels (only the header ties a label to a state).
-          Prediction: add-one (Laplace) counts of o_1..o_t.
-        - `last_obs`: reads the header and only the latest observation:
-          `p(s_t | header, o_t) ∝ p(s_t | header) E[s_t, o_t]` (prediction: that, moved one step
-          by T and emitted by E; the prior predictive at SEP). Whatever a model gains over this
-          needs the history, i.e. filtering proper.
-        """
-        inputs = np.asarray(inputs)
-        B, T = inputs.shape
-        S, K, L, h = self.n_states, self.n_symbols, self.length, self.header_len
-        lv = inputs[:, 1 : h - 1].astype(np.float64) - self.level_offset + 1
-        Tm = lv[:, : S * S].reshape(B, S, S)
-        Em = lv[:, S * S :].reshape(B, S, K)
-        Tm, Em = Tm / Tm.sum(-1, keepdims=True), Em / Em.sum(-1, keepdims=True)
-        n_obs = L if self.predict == "state" else L - 1  # observations among the inputs
-        obs = inputs[:, h : h + n_obs].astype(np.int64)  # o_1..o_n
-        # prior marginals m[t] = p(s_{t+1} | header), t = 0..L
-        m = np.empty((L + 1, B, S))
-        m[0] = 1.0 / S
-        for t in range(L):
-            m[t + 1] = np.einsum("bs,bsr->br", m[t], Tm)
-        m = np.moveaxis(m, 0, 1)  # [B, L+1, S]
-        e_obs = np.take_along_axis(Em, obs[:, None, :], axis=2)  # [B, S, n]: E[s, o_t]
-        e_obs = np.moveaxis(e_obs, 1, 2)  # [B, n, S]
-        last = m[:, :n_obs] * e_obs  # p(s_t | header, o_t), t = 1..n
-        last /= last.sum(-1, keepdims=True)
-        if self.predict == "state":
-            ans = self.answer_slice
-            pos = h - 1 + np.arange(1, L + 1)
-            dists = {
-                "uniform": np.full((B, L, S), 1.0 / S),
-                "header_only": m[:, :L],
-                "header_blind": np.full((B, L, S), 1.0 / S),
-                "last_obs": last,
-            }
-        else:
-            ans = slice(0, K)
-            pos = h - 1 + np.arange(L)
-            counts = np.zeros((B, L, K))
-            onehot = np.eye(K)[obs]  # [B, L-1, K]
-            counts[:, 1:] = np.cumsum(onehot, axis=1)
-            nxt = np.einsum("bts,bsr->btr", last, Tm)  # p(s_{t+1} | header, o_t)
-            dists = {
-                "uniform": np.full((B, L, K), 1.0 / K),
-                "header_only": np.einsum("bts,bsk->btk", m[:, :L], Em),
-                "header_blind": (counts + 1.0) / (np.arange(L)[None, :, None] + K),
-                "last_obs": np.concatenate(
-                    [np.einsum("bs,bsk->bk", m[:, 0], Em)[:, None],
-                     np.einsum("bts,bsk->btk", nxt, Em)], axis=1),
-            }
-        out = {}
-        for name, d in dists.items():
-            full = np.zeros((B, T, self.vocab_size))
-            full[:, pos, ans] = d
-            out[name] = full
-        return out
+    inputs = np.asarray(inputs)
+    B, T = inputs.shape
+    S, K, L, h = self.n_states, self.n_symbols, self.length, self.header_len
+    lv = inputs[:, 1 : h - 1].astype(np.float64) - self.level_offset + 1
+    Tm = lv[:, : S * S].reshape(B, S, S)
+    Em = lv[:, S * S :].reshape(B, S, K)
+    Tm, Em = Tm / Tm.sum(-1, keepdims=True), Em / Em.sum(-1, keepdims=True)
+    n_obs = L if self.predict == "state" else L - 1  # observations among the inputs
+    obs = inputs[:, h : h + n_obs].astype(np.int64)  # o_1..o_n
+    # prior marginals m[t] = p(s_{t+1} | header), t = 0..L
+    m = np.empty((L + 1, B, S))
+    m[0] = 1.0 / S
+    for t in range(L):
+      m[t + 1] = np.einsum("bs,bsr->br", m[t], Tm)
+    m = np.moveaxis(m, 0, 1)  # [B, L+1, S]
+    e_obs = np.take_along_axis(Em, obs[:, None, :], axis=2)  # [B, S, n]: E[s, o_t]
+    e_obs = np.moveaxis(e_obs, 1, 2)  # [B, n, S]
+    last = m[:, :n_obs] * e_obs  # p(s_t | header, o_t), t = 1..n
+    last /= last.sum(-1, keepdims=True)
+    if self.predict == "state":
+      ans = self.answer_slice
+      pos = h - 1 + np.arange(1, L + 1)
+      dists = {
+        "uniform": np.full((B, L, S), 1.0 / S),
+        "header_only": m[:, :L],
+        "header_blind": np.full((B, L, S), 1.0 / S),
+        "last_obs": last,
+      }
+    else:
+      ans = slice(0, K)
+      pos = h - 1 + np.arange(L)
+      counts = np.zeros((B, L, K))
+      onehot = np.eye(K)[obs]  # [B, L-1, K]
+      counts[:, 1:] = np.cumsum(onehot, axis=1)
+      nxt = np.einsum("bts,bsr->btr", last, Tm)  # p(s_{t+1} | header, o_t)
+      dists = {
+        "uniform": np.full((B, L, K), 1.0 / K),
+        "header_only": np.einsum("bts,bsk->btk", m[:, :L], Em),
+        "header_blind": (counts + 1.0) / (np.arange(L)[None, :, None] + K),
+        "last_obs": np.concatenate(
+          [np.einsum("bs,bsk->bk", m[:, 0], Em)[:, None], np.einsum("bts,bsk->btk", nxt, Em)],
+          axis=1,
+        ),
+      }
+    out = {}
+    for name, d in dists.items():
+      full = np.zeros((B, T, self.vocab_size))
+      full[:, pos, ans] = d
+      out[name] = full
+    return out

@@ -2,12 +2,13 @@
 
 A new mixer is one file plus one line in ``_REGISTRY``; ``mhc_jax.testing`` then checks it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 
-from mhc_jax.mixers.base import STAT_KEYS, Collapse, Mixer
 from mhc_jax.mixers.attnres import AttnRes
+from mhc_jax.mixers.base import STAT_KEYS, Collapse, Mixer
 from mhc_jax.mixers.deepnorm import DeepNorm, PostLN
 from mhc_jax.mixers.denseformer import DenseFormer
 from mhc_jax.mixers.frac import FracConnection
@@ -23,21 +24,21 @@ from mhc_jax.mixers.residual import Residual
 from mhc_jax.mixers.value_residual import ValueResidual
 
 _REGISTRY: dict[str, type[Mixer]] = {
-    "residual": Residual,
-    "hc": HyperConnection,
-    "mhc": ManifoldHyperConnection,
-    "mhc_lite": MHCLite,
-    "mhc_identity": MHCIdentity,
-    "kromhc": KromHC,
-    "frac": FracConnection,
-    "value_residual": ValueResidual,
-    "laurel": Laurel,
-    "ortho": Ortho,
-    "deepnorm": DeepNorm,
-    "post_ln": PostLN,
-    "peri_ln": PeriLN,
-    "denseformer": DenseFormer,
-    "attnres": AttnRes,
+  "residual": Residual,
+  "hc": HyperConnection,
+  "mhc": ManifoldHyperConnection,
+  "mhc_lite": MHCLite,
+  "mhc_identity": MHCIdentity,
+  "kromhc": KromHC,
+  "frac": FracConnection,
+  "value_residual": ValueResidual,
+  "laurel": Laurel,
+  "ortho": Ortho,
+  "deepnorm": DeepNorm,
+  "post_ln": PostLN,
+  "peri_ln": PeriLN,
+  "denseformer": DenseFormer,
+  "attnres": AttnRes,
 }
 # Options that only shape the model around the mixer (handled by the model, not the mixer).
 # ``collapse`` moved into the mixer (it owns its collapse); nothing is left here.

@@ -43,6 +43,7 @@ attention is ``jax.checkpoint``-ed (recomputed in the backward pass rather than 
 float32 intermediates, ~40% less memory at depth 32). Compile time stays flat in depth
 (docs/mixers.md has both measurements).
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -63,7 +64,7 @@ def depth_attention(hist, query, valid, eps: float = EPS):
   Returns the float32 mix and the weights ``[H, ...]``.
   """
   v = hist.astype(jnp.float32)
-  inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + eps)              # [H, ...]
+  inv_rms = jax.lax.rsqrt(jnp.mean(jnp.square(v), axis=-1) + eps)  # [H, ...]
   logits = jnp.einsum("c,j...c->j...", query, v) * inv_rms
   valid = valid.reshape(valid.shape + (1,) * (logits.ndim - 1))
   logits = jnp.where(valid, logits, -1e30)
@@ -114,8 +115,11 @@ class AttnRes(Mixer):
       v = f_BTC.astype(hist.dtype)
     else:  # the first layer of a block starts its sum, the others add to it
       part = jax.lax.dynamic_index_in_dim(hist, entry, 0, keepdims=False)
-      v = jnp.where(layer % s == 0, f_BTC.astype(jnp.float32),
-                    part.astype(jnp.float32) + f_BTC.astype(jnp.float32)).astype(hist.dtype)
+      v = jnp.where(
+        layer % s == 0,
+        f_BTC.astype(jnp.float32),
+        part.astype(jnp.float32) + f_BTC.astype(jnp.float32),
+      ).astype(hist.dtype)
     hist = jax.lax.dynamic_update_index_in_dim(hist, v, entry, 0)
     h, _ = jax.checkpoint(depth_attention)(hist, query, jnp.arange(size) <= entry)
     h = h.astype(x.dtype)

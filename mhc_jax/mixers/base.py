@@ -16,6 +16,7 @@ fixed sample of ``S = min(TOKEN_SAMPLE, tokens)`` tokens, ``rms_in``, ``rms_out`
 ``branch_rms`` and ``sinkhorn_err`` scalars. ``layer`` is the mixer-layer index (2·block for attention, 2·block+1
 for the MLP); it may be traced (under ``nn.scan``) and is only used by initialisers.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 
 Sublayer = Callable[[jax.Array], jax.Array]
-STAT_KEYS = ("h_res", "h_res_tok", "h_pre", "h_post", "rms_in", "rms_out", "branch_rms",
-             "sinkhorn_err")
+STAT_KEYS = (
+  "h_res",
+  "h_res_tok",
+  "h_pre",
+  "h_post",
+  "rms_in",
+  "rms_out",
+  "branch_rms",
+  "sinkhorn_err",
+)
 TOKEN_SAMPLE = 16  # tokens whose own H_res products are tracked (h_res_tok)
 
 
@@ -71,15 +80,16 @@ def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> d
   n = x_in.shape[-2]
   lead_res, lead_vec = h_res.ndim - 2, h_pre.ndim - 1
   return {
-      "h_res": token_mean(jnp.broadcast_to(h_res, h_res.shape[:lead_res] + (n, n)), lead_res),
-      "h_res_tok": sample_tokens(h_res, x_in.shape[:-2]),
-      "h_pre": token_mean(h_pre, lead_vec),
-      "h_post": token_mean(h_post, h_post.ndim - 1),
-      "rms_in": rms(x_in),
-      "rms_out": rms(x_out),
-      "branch_rms": rms(f_out),
-      "sinkhorn_err": jnp.zeros((), jnp.float32) if sinkhorn_err is None
-                      else jnp.asarray(sinkhorn_err, jnp.float32),
+    "h_res": token_mean(jnp.broadcast_to(h_res, h_res.shape[:lead_res] + (n, n)), lead_res),
+    "h_res_tok": sample_tokens(h_res, x_in.shape[:-2]),
+    "h_pre": token_mean(h_pre, lead_vec),
+    "h_post": token_mean(h_post, h_post.ndim - 1),
+    "rms_in": rms(x_in),
+    "rms_out": rms(x_out),
+    "branch_rms": rms(f_out),
+    "sinkhorn_err": jnp.zeros((), jnp.float32)
+    if sinkhorn_err is None
+    else jnp.asarray(sinkhorn_err, jnp.float32),
   }
 
 

@@ -23,6 +23,7 @@ Options: ``alpha`` and ``beta`` (None: DeepNet's values above; numbers override)
 ``post_ln`` is the same mixer with ``alpha = beta = 1``: the original Post-LN Transformer
 ``x' = N(x + G(x))`` with the standard init.
 """
+
 from typing import Optional
 
 import flax.linen as nn
@@ -35,7 +36,7 @@ from mhc_jax.mixers.peri_ln import learned_rms_norm, single_stream, stream_stats
 class DeepNorm(Mixer):
   n: int = 1
   alpha: Optional[float] = None  # None: (2L)^{1/4}
-  beta: Optional[float] = None   # None: (8L)^{-1/4}
+  beta: Optional[float] = None  # None: (8L)^{-1/4}
   eps: float = 1e-6
   multi_stream = False
   pre_norm = False
@@ -48,8 +49,10 @@ class DeepNorm(Mixer):
     if self.alpha is not None:
       return float(self.alpha)
     if self.layers <= 0:
-      raise ValueError(f"{type(self).__name__}: alpha=None needs the model's mixer-layer count "
-                       f"(layers), got layers={self.layers}")
+      raise ValueError(
+        f"{type(self).__name__}: alpha=None needs the model's mixer-layer count "
+        f"(layers), got layers={self.layers}"
+      )
     return float(self.layers) ** 0.25
 
   def sublayer_out_scale(self, layers: int) -> float:

@@ -36,6 +36,7 @@ prefix of the final buffer, has no counterpart in a functional scan). Block rema
 remove this (the carried history is the rematerialised block's input). Compile time stays flat
 in depth (docs/mixers.md has the measurement).
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -66,8 +67,9 @@ def cond(pred, true_fn, false_fn, operand):
 def history_state(x_BTC, size: int, name: str) -> dict:
   """``{"hist": [size, B, T, C] zeros with hist[0] = x, "x": x}``."""
   if size < 2:
-    raise ValueError(f"{name}: needs the model's mixer-layer count (layers >= 1), got a history "
-                     f"of {size} entries")
+    raise ValueError(
+      f"{name}: needs the model's mixer-layer count (layers >= 1), got a history of {size} entries"
+    )
   hist = jnp.zeros((size,) + x_BTC.shape, x_BTC.dtype)
   return {"hist": jax.lax.dynamic_update_index_in_dim(hist, x_BTC, 0, 0), "x": x_BTC}
 
@@ -76,11 +78,14 @@ def check_state(state, size: int, n: int, name: str) -> None:
   if n != 1:
     raise ValueError(f"{name}: single-stream mixer, got n={n}")
   if not isinstance(state, dict) or set(state) != {"hist", "x"}:
-    raise ValueError(f"{name}: expects the state from its expand ({{'hist', 'x'}}), got "
-                     f"{type(state).__name__}")
+    raise ValueError(
+      f"{name}: expects the state from its expand ({{'hist', 'x'}}), got {type(state).__name__}"
+    )
   if state["hist"].shape[0] != size:
-    raise ValueError(f"{name}: history has {state['hist'].shape[0]} entries, expected {size} "
-                     f"(layers={size - 1} steps + the embedding)")
+    raise ValueError(
+      f"{name}: history has {state['hist'].shape[0]} entries, expected {size} "
+      f"(layers={size - 1} steps + the embedding)"
+    )
 
 
 class DenseFormer(Mixer):
@@ -93,8 +98,9 @@ class DenseFormer(Mixer):
     if self.every not in ("block", "layer"):
       raise ValueError(f"denseformer: every must be 'block' or 'layer', got {self.every!r}")
     if self.dilation < 1 or self.period < 1:
-      raise ValueError(f"denseformer: dilation and period must be >= 1, got "
-                       f"{self.dilation}, {self.period}")
+      raise ValueError(
+        f"denseformer: dilation and period must be >= 1, got {self.dilation}, {self.period}"
+      )
     return 2 if self.every == "block" else 1
 
   def hist_size(self) -> int:
@@ -130,8 +136,9 @@ class DenseFormer(Mixer):
       raise ValueError(f"denseformer: layer {layer} outside 0..{self.layers - 1}")
     hist, x = state["hist"], state["x"]
     step = (layer + 1) // m  # the DWA step this layer ends (when it ends one)
-    alpha = param(self, "b_dwa", lambda k, s, d: jax.nn.one_hot(step, size, dtype=d), (size,),
-                  (None,))
+    alpha = param(
+      self, "b_dwa", lambda k, s, d: jax.nn.one_hot(step, size, dtype=d), (size,), (None,)
+    )
     f_BTC = sublayer(x)
     y = x + f_BTC.astype(x.dtype)
 

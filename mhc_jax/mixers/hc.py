@@ -9,6 +9,7 @@ Initialisation (``W = 0``, ``B = 1``, ``A_m = e_{layer mod n}``, ``A_r = I``, ``
 makes every stream equal a pre-norm residual at step 0. In the contract's terms
 ``h_pre = A_m``, ``h_post = B``, ``h_res = A_rᵀ``. Static parts are named ``b_*`` (no decay).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -30,12 +31,13 @@ class HyperConnection(Mixer):
     n, c = x_BTnC.shape[-2:]
     if n != self.n:
       raise ValueError(f"hc: configured for n={self.n} streams, got state with n={n}")
-    a_m = param(self, "b_read", lambda k, s, d: jax.nn.one_hot(layer % n, n, dtype=d), (n,),
-                 ("streams",))
+    a_m = param(
+      self, "b_read", lambda k, s, d: jax.nn.one_hot(layer % n, n, dtype=d), (n,), ("streams",)
+    )
     a_r = param(self, "b_mix", lambda k, s, d: jnp.eye(n, dtype=d), (n, n), ("streams", None))
     b = param(self, "b_write", nn.initializers.ones, (n,), ("streams",))
     if self.dynamic:
-      xn = rms_norm(x_BTnC)                                             # [B,T,n,C]
+      xn = rms_norm(x_BTnC)  # [B,T,n,C]
       zeros = nn.initializers.zeros
       w_m = param(self, "w_read", zeros, (c,), ("embed",))
       w_r = param(self, "w_mix", zeros, (c, n), ("embed", "streams"))
@@ -43,9 +45,9 @@ class HyperConnection(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       s_a = param(self, "s_alpha", const, (), ())
       s_b = param(self, "s_beta", const, (), ())
-      a_m = s_a * jnp.tanh(xn @ w_m) + a_m                               # [B,T,n]
-      a_r = s_a * jnp.tanh(xn @ w_r) + a_r                               # [B,T,n,n]
-      b = s_b * jnp.tanh(xn @ w_b) + b                                   # [B,T,n]
+      a_m = s_a * jnp.tanh(xn @ w_m) + a_m  # [B,T,n]
+      a_r = s_a * jnp.tanh(xn @ w_r) + a_r  # [B,T,n,n]
+      b = s_b * jnp.tanh(xn @ w_b) + b  # [B,T,n]
     h_res = jnp.swapaxes(a_r, -1, -2)
     f_BTC = sublayer(read(x_BTnC, a_m))
     out = mix(x_BTnC, f_BTC, h_res, b)

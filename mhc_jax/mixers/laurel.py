@@ -29,6 +29,7 @@ function such as softmax or sigmoid helps", without saying which it used or how 
 
 State: one stream ``[B, T, 1, C]``; ``branch_rms`` is the RMS of the raw sublayer output ``F``.
 """
+
 from typing import Literal
 
 import flax.linen as nn
@@ -72,8 +73,9 @@ class Laurel(Mixer):
     elif self.rw_norm == "none":
       w = logits
     else:
-      raise ValueError(f"laurel: rw_norm must be 'softmax', 'sigmoid' or 'none', "
-                       f"got {self.rw_norm!r}")
+      raise ValueError(
+        f"laurel: rw_norm must be 'softmax', 'sigmoid' or 'none', got {self.rw_norm!r}"
+      )
     return w[0], w[1]
 
   @nn.compact
@@ -87,8 +89,13 @@ class Laurel(Mixer):
       if not 1 <= self.rank <= c:
         raise ValueError(f"laurel: rank must be in [1, width={c}], got {self.rank}")
       w_down = param(self, "w_down", nn.initializers.zeros, (c, self.rank), ("embed", None))
-      w_up = param(self, "w_up", lambda k, s, d: jnp.asarray(column_orthogonal(c, self.rank).T, d),
-                   (self.rank, c), (None, "embed"))
+      w_up = param(
+        self,
+        "w_up",
+        lambda k, s, d: jnp.asarray(column_orthogonal(c, self.rank).T, d),
+        (self.rank, c),
+        (None, "embed"),
+      )
       g = g + (g @ w_down) @ w_up
     if rw:
       init = nn.initializers.ones if self.rw_norm == "none" else nn.initializers.zeros

@@ -28,6 +28,7 @@ xavier), and HC breaks the symmetry with one-hot read weights ``A_m = e_{layer m
 
 Subclasses replace ``project_res``.
 """
+
 import math
 from typing import Literal
 
@@ -79,8 +80,11 @@ class ManifoldHyperConnection(Mixer):
 
   def project_res(self, z_res):
     """``[..., res_size]`` logits -> (doubly stochastic ``[..., n, n]``, column error)."""
-    h = sk.sinkhorn(z_res.reshape(z_res.shape[:-1] + (self.n, self.n)),
-                    iters=self.sinkhorn_iters, grad=self.sinkhorn_grad)
+    h = sk.sinkhorn(
+      z_res.reshape(z_res.shape[:-1] + (self.n, self.n)),
+      iters=self.sinkhorn_iters,
+      grad=self.sinkhorn_grad,
+    )
     return h, sk.stochastic_error(h)[1]
 
   @nn.compact
@@ -90,26 +94,33 @@ class ManifoldHyperConnection(Mixer):
       raise ValueError(f"mhc: configured for n={self.n} streams, got state with n={n}")
     r = self.res_size()
     if self.pre_init not in ("auto", "uniform", "onehot"):
-      raise ValueError(f"mhc: pre_init must be 'auto', 'uniform' or 'onehot', got {self.pre_init!r}")
+      raise ValueError(
+        f"mhc: pre_init must be 'auto', 'uniform' or 'onehot', got {self.pre_init!r}"
+      )
     onehot = self.pre_init == "onehot" or (self.pre_init == "auto" and not self.dynamic)
-    pre_init = (lambda k, s, d: onehot_logits(layer, n).astype(d)) if onehot and n > 1 \
-        else nn.initializers.zeros
+    pre_init = (
+      (lambda k, s, d: onehot_logits(layer, n).astype(d))
+      if onehot and n > 1
+      else nn.initializers.zeros
+    )
     b_pre = param(self, "b_pre", pre_init, (n,), ("streams",))
     b_post = param(self, "b_post", nn.initializers.zeros, (n,), ("streams",))
-    b_res = param(self, "b_res", lambda k, s, d: self.res_bias().reshape(s).astype(d), (r,),
-                  (None,))
+    b_res = param(
+      self, "b_res", lambda k, s, d: self.res_bias().reshape(s).astype(d), (r,), (None,)
+    )
     z_pre, z_post, z_res = b_pre, b_post, b_res
     if self.dynamic:
-      v = rms_norm(x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,)))          # [B,T,nC]
+      v = rms_norm(x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,)))  # [B,T,nC]
       phi_init = nn.initializers.normal(self.phi_init / math.sqrt(n * c))
       phi = param(self, "phi", phi_init, (n * c, 2 * n + r), ("streams_embed", None))
       const = nn.initializers.constant(self.alpha_init)
-      a_pre, a_post, a_res = (param(self, f"alpha_{k}", const, (), ())
-                              for k in ("pre", "post", "res"))
-      proj = v @ phi                                                     # [B,T,2n+r]
+      a_pre, a_post, a_res = (
+        param(self, f"alpha_{k}", const, (), ()) for k in ("pre", "post", "res")
+      )
+      proj = v @ phi  # [B,T,2n+r]
       z_pre = a_pre * proj[..., :n] + b_pre
-      z_post = a_post * proj[..., n:2 * n] + b_post
-      z_res = a_res * proj[..., 2 * n:] + b_res
+      z_post = a_post * proj[..., n : 2 * n] + b_post
+      z_res = a_res * proj[..., 2 * n :] + b_res
     h_pre = nn.sigmoid(z_pre)
     h_post = 2.0 * nn.sigmoid(z_post)
     h_res, err = self.project_res(z_res)

@@ -4,6 +4,7 @@
 iterative projection (24 terms at n = 4). ``h_res_init="identity"`` puts weight 0.95 on the
 identity permutation; ``"uniform"`` (b = 0) gives exactly ``J/n``. Everything else is mHC.
 """
+
 import itertools
 import math
 
@@ -23,11 +24,12 @@ def permutation_matrices(n: int) -> np.ndarray:
 
 
 class MHCLite(ManifoldHyperConnection):
-
   def res_size(self) -> int:
     if self.n > MAX_N:
-      raise ValueError(f"mhc_lite: n={self.n} needs {math.factorial(self.n)} permutations; "
-                       f"use n <= {MAX_N} or mixer 'mhc'")
+      raise ValueError(
+        f"mhc_lite: n={self.n} needs {math.factorial(self.n)} permutations; "
+        f"use n <= {MAX_N} or mixer 'mhc'"
+      )
     return math.factorial(self.n)
 
   def res_bias(self):
@@ -36,7 +38,9 @@ class MHCLite(ManifoldHyperConnection):
       return jnp.zeros((k,), jnp.float32)
     if self.h_res_init == "identity":
       return jnp.zeros((k,), jnp.float32).at[0].set(math.log(DIAG_INIT / (1 - DIAG_INIT) * (k - 1)))
-    raise ValueError(f"mhc_lite: h_res_init must be 'identity' or 'uniform', got {self.h_res_init!r}")
+    raise ValueError(
+      f"mhc_lite: h_res_init must be 'identity' or 'uniform', got {self.h_res_init!r}"
+    )
 
   def project_res(self, z_res):
     # jax.nn.softmax, not exp(z - max(z)): the gradient of jnp.max divides by the count of

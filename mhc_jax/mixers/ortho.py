@@ -14,6 +14,7 @@ Options: ``eps`` (default 1e-6, the reference code's value, added to ‖x‖²; 
 rather than clamping for this "feature" form). The inner products are taken in float32.
 State: one stream ``[B, T, 1, C]``; ``branch_rms`` is the RMS of the full sublayer output ``f``.
 """
+
 import flax.linen as nn
 import jax.numpy as jnp
 

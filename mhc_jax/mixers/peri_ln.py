@@ -18,6 +18,7 @@ Options:
 State: one stream ``[B, T, 1, C]`` (the residual's). ``branch_rms`` is the RMS of the raw
 sublayer output ``F`` (before ``N_out``), where Pre-LN's "massive activations" would show.
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,8 +26,9 @@ import jax.numpy as jnp
 from mhc_jax.mixers.base import Mixer, param, rms, rms_norm
 
 
-def learned_rms_norm(mod: nn.Module, x: jax.Array, name: str = "norm_scale",
-                     eps: float = 1e-6) -> jax.Array:
+def learned_rms_norm(
+  mod: nn.Module, x: jax.Array, name: str = "norm_scale", eps: float = 1e-6
+) -> jax.Array:
   """``x / rms(x) * scale`` over the last axis in float32, with a learnable ``scale [C]`` of
   ``mod`` initialised to ones (the model's RMSNorm, as a mixer parameter; not weight-decayed)."""
   scale = param(mod, name, nn.initializers.ones, (x.shape[-1],), ("embed",))

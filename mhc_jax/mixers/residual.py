@@ -1,4 +1,5 @@
 """The baseline: a pre-norm residual ``x + F(norm(x))`` (the norm lives inside ``sublayer``)."""
+
 import jax.numpy as jnp
 
 from mhc_jax.mixers.base import Mixer, make_stats

@@ -29,6 +29,7 @@ Options (the paper's variants):
 - ``lambda1`` (0.5): weight on ``V_1``; ``lambda2`` (0.5): weight on the layer's own ``V_n``.
   The paper's other fixed choices are reachable with these, e.g. ``lambda1=2, lambda2=1``.
 """
+
 import flax.linen as nn
 import jax.numpy as jnp
 
@@ -81,11 +82,14 @@ class ValueResidual(Mixer):
     def value_fn(v_BTHD):
       flat = v_BTHD.reshape(v_BTHD.shape[:-2] + (-1,))
       if flat.shape != v1.shape:
-        raise ValueError(f"value_residual: values {v_BTHD.shape} flatten to {flat.shape}, but "
-                         f"the stored V_1 is {v1.shape} (needs heads * head_dim = width)")
+        raise ValueError(
+          f"value_residual: values {v_BTHD.shape} flatten to {flat.shape}, but "
+          f"the stored V_1 is {v1.shape} (needs heads * head_dim = width)"
+        )
       written[0] = jnp.where(first, flat.astype(v1.dtype), v1)
-      mixed = (lam1 * v1.astype(jnp.float32).reshape(v_BTHD.shape)
-               + lam2 * v_BTHD.astype(jnp.float32))
+      mixed = lam1 * v1.astype(jnp.float32).reshape(v_BTHD.shape) + lam2 * v_BTHD.astype(
+        jnp.float32
+      )
       return jnp.where(first, v_BTHD, mixed.astype(v_BTHD.dtype))
 
     f_BTC = sublayer(x, value_fn=value_fn)

@@ -4,6 +4,7 @@ Logical axes: ``embed`` (C), ``mlp`` (hidden), ``heads``, ``kv`` (head dim), ``v
 ``layers`` (added by the scan), ``streams`` (mixers). A rules table in ``train/sharding.py``
 maps them to mesh axes.
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ Dtype = jnp.dtype
 
 def kernel_init(scale: float = 1.0):
   """LeCun-normal (std = scale / sqrt(fan_in)) over the input axes of a DenseGeneral kernel."""
-  return nn.initializers.variance_scaling(scale ** 2, "fan_in", "normal")
+  return nn.initializers.variance_scaling(scale**2, "fan_in", "normal")
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +29,12 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-                       (x.shape[-1],), jnp.float32)
+    scale = self.param(
+      "scale",
+      nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+      (x.shape[-1],),
+      jnp.float32,
+    )
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
     return (y * scale).astype(self.dtype)
@@ -39,8 +44,8 @@ def rope(x_BTHD: jax.Array, base: float = 10000.0) -> jax.Array:
   """Rotary position embedding over the last axis (rotate-half convention)."""
   t, d = x_BTHD.shape[-3], x_BTHD.shape[-1]
   inv = 1.0 / base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]           # [T, D/2]
-  cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]            # [T, 1, D/2]
+  ang = jnp.arange(t, dtype=jnp.float32)[:, None] * inv[None, :]  # [T, D/2]
+  cos, sin = jnp.cos(ang)[:, None, :], jnp.sin(ang)[:, None, :]  # [T, 1, D/2]
   x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BTHD.dtype)
 
@@ -62,11 +67,17 @@ class Attention(nn.Module):
     d = c // self.heads
 
     def proj(name):
-      return nn.DenseGeneral((self.heads, d), use_bias=False, dtype=self.dtype, name=name,
-                             kernel_init=nn.with_logical_partitioning(
-                                 kernel_init(self.init_scale), ("embed", "heads", "kv")))(x_BTC)
+      return nn.DenseGeneral(
+        (self.heads, d),
+        use_bias=False,
+        dtype=self.dtype,
+        name=name,
+        kernel_init=nn.with_logical_partitioning(
+          kernel_init(self.init_scale), ("embed", "heads", "kv")
+        ),
+      )(x_BTC)
 
-    q, k, v = proj("query"), proj("key"), proj("value")                  # [B,T,H,D]
+    q, k, v = proj("query"), proj("key"), proj("value")  # [B,T,H,D]
     if value_fn is not None:
       v = value_fn(v)
     if self.qk_norm:
@@ -87,10 +98,16 @@ class Attention(nn.Module):
     probs = jax.nn.softmax(logits, axis=-1)
     self.sow("intermediates", "attn", probs)
     y = jnp.einsum("bhts,bshd->bthd", probs.astype(self.dtype), v)
-    out = nn.DenseGeneral(c, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out",
-                          kernel_init=nn.with_logical_partitioning(
-                              kernel_init(self.init_scale * self.out_scale),
-                              ("heads", "kv", "embed")))(y)
+    out = nn.DenseGeneral(
+      c,
+      axis=(-2, -1),
+      use_bias=False,
+      dtype=self.dtype,
+      name="out",
+      kernel_init=nn.with_logical_partitioning(
+        kernel_init(self.init_scale * self.out_scale), ("heads", "kv", "embed")
+      ),
+    )(y)
     return out, logit_max
 
 
@@ -105,10 +122,20 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x_BTC):
     c = x_BTC.shape[-1]
-    h = nn.Dense(self.hidden, use_bias=False, dtype=self.dtype, name="up",
-                 kernel_init=nn.with_logical_partitioning(kernel_init(self.init_scale),
-                                                          ("embed", "mlp")))(x_BTC)
+    h = nn.Dense(
+      self.hidden,
+      use_bias=False,
+      dtype=self.dtype,
+      name="up",
+      kernel_init=nn.with_logical_partitioning(kernel_init(self.init_scale), ("embed", "mlp")),
+    )(x_BTC)
     h = nn.gelu(h)
-    return nn.Dense(c, use_bias=False, dtype=self.dtype, name="down",
-                    kernel_init=nn.with_logical_partitioning(
-                        kernel_init(self.init_scale * self.out_scale), ("mlp", "embed")))(h)
+    return nn.Dense(
+      c,
+      use_bias=False,
+      dtype=self.dtype,
+      name="down",
+      kernel_init=nn.with_logical_partitioning(
+        kernel_init(self.init_scale * self.out_scale), ("mlp", "embed")
+      ),
+    )(h)

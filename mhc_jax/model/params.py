@@ -1,4 +1,5 @@
 """Parameter counts: measured from a parameter tree, and the closed form from a config."""
+
 from __future__ import annotations
 
 import jax
@@ -21,8 +22,12 @@ def count_params(params) -> dict[str, int]:
     keys = [getattr(k, "key", None) for k in path]
     if any(k in MIXER_KEYS for k in keys):
       mixer += int(np.prod(np.shape(leaf)))
-  return {"total": total, "embedding": embedding, "non_embedding": total - embedding,
-          "mixer": mixer}
+  return {
+    "total": total,
+    "embedding": embedding,
+    "non_embedding": total - embedding,
+    "mixer": mixer,
+  }
 
 
 def expected_params(cfg) -> dict[str, int]:
@@ -31,6 +36,7 @@ def expected_params(cfg) -> dict[str, int]:
   The mixer's share comes from the mixer itself (``layer_params``, ``collapse_params``).
   """
   from mhc_jax.model.transformer import make_mixer
+
   c, v, L = cfg.width, cfg.vocab, cfg.depth
   hidden, d = int(c * cfg.mlp_ratio), c // cfg.heads
   mix = make_mixer(cfg)
@@ -39,5 +45,9 @@ def expected_params(cfg) -> dict[str, int]:
   block = 4 * c * c + 2 * c * hidden + norms + (2 * d if cfg.qk_norm else 0)
   mixer = 2 * L * mix.layer_params(c) + mix.collapse_params(c)
   total = embedding + L * block + c + mixer
-  return {"total": total, "embedding": embedding, "non_embedding": total - embedding,
-          "mixer": mixer}
+  return {
+    "total": total,
+    "embedding": embedding,
+    "non_embedding": total - embedding,
+    "mixer": mixer,
+  }

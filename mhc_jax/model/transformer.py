@@ -12,6 +12,7 @@ gradient with respect to them is dLoss/d(stream state) at every mixer layer; ``o
 (``[B, T, n, C]``) does the same at the collapse input (after the last mixer layer).
 Residual states, queries, keys and attention weights are sown into ``intermediates``.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,8 @@ from mhc_jax import mixers
 from mhc_jax.model.layers import MLP, Attention, RMSNorm, kernel_init
 
 REMAT_POLICIES = {
-    "full": None,
-    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  "full": None,
+  "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
 
 
@@ -101,18 +102,27 @@ class Transformer(nn.Module):
   def __call__(self, tokens_BT, probes=None, out_probe=None):
     cfg = self.cfg
     dt, L, c = _dtype(cfg.dtype), cfg.depth, cfg.width
-    embed = self.param("embedding", nn.with_logical_partitioning(
-        nn.initializers.normal(1.0), ("vocab", "embed")), (cfg.vocab, c), jnp.float32)
+    embed = self.param(
+      "embedding",
+      nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
+      (cfg.vocab, c),
+      jnp.float32,
+    )
     x_BTC = jnp.take(embed, tokens_BT, axis=0).astype(dt)
     mixer = make_mixer(cfg).clone(parent=None)  # unbound: expand/collapse specs only
     state = mixer.expand(x_BTC)
     block = _block_cls(cfg)
     idx = jnp.arange(L)
     if cfg.scan:
-      scanned = nn.scan(block, variable_axes={"params": 0, "intermediates": 0},
-                        split_rngs={"params": True}, in_axes=0, length=L,
-                        unroll=min(getattr(cfg, "scan_unroll", 1), L),
-                        metadata_params={nn.PARTITION_NAME: "layers"})
+      scanned = nn.scan(
+        block,
+        variable_axes={"params": 0, "intermediates": 0},
+        split_rngs={"params": True},
+        in_axes=0,
+        length=L,
+        unroll=min(getattr(cfg, "scan_unroll", 1), L),
+        metadata_params={nn.PARTITION_NAME: "layers"},
+      )
       state, (stats, logit_max) = scanned(cfg, name="blocks")(state, (idx, probes))
     else:
       ys = []
@@ -130,13 +140,22 @@ class Transformer(nn.Module):
     if cfg.tied_embeddings:
       logits = jnp.einsum("btc,vc->btv", h_BTC, embed.astype(dt)) / math.sqrt(c)
     else:
-      logits = nn.Dense(cfg.vocab, use_bias=False, dtype=dt, name="head",
-                        kernel_init=nn.with_logical_partitioning(kernel_init(cfg.init_scale),
-                                                                 ("embed", "vocab")))(h_BTC)
+      logits = nn.Dense(
+        cfg.vocab,
+        use_bias=False,
+        dtype=dt,
+        name="head",
+        kernel_init=nn.with_logical_partitioning(kernel_init(cfg.init_scale), ("embed", "vocab")),
+      )(h_BTC)
     logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    aux = {"stats": stats, "attn_logit_max": logit_max, "out_logit_max": jnp.max(logits),
-           "logsumexp_mean": jnp.mean(lse), "logsumexp_max": jnp.max(lse)}
+    aux = {
+      "stats": stats,
+      "attn_logit_max": logit_max,
+      "out_logit_max": jnp.max(logits),
+      "logsumexp_mean": jnp.mean(lse),
+      "logsumexp_max": jnp.max(lse),
+    }
     return logits, aux
 
 

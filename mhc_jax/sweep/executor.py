@@ -33,6 +33,7 @@ The sweep file's ``executor:`` mapping is passed to submitit's ``update_paramete
 ``slurm_partition``, ``timeout_min``, ``gpus_per_node``, ``cpus_per_task``, ``mem_gb``,
 ``slurm_additional_parameters``); ``kind:`` in it names the executor.
 """
+
 from __future__ import annotations
 
 import collections
@@ -53,8 +54,16 @@ from mhc_jax.sweep import manifest as mf
 from mhc_jax.sweep.worker import EXIT_NOT_CLAIMED, EXIT_PREEMPTED
 from mhc_jax.train.config import ConfigError
 
-__all__ = ["EXECUTORS", "Slot", "detect_devices", "make_slots", "check_runs", "parse_parallel",
-           "run_parallel", "SweepJob"]
+__all__ = [
+  "EXECUTORS",
+  "Slot",
+  "detect_devices",
+  "make_slots",
+  "check_runs",
+  "parse_parallel",
+  "run_parallel",
+  "SweepJob",
+]
 
 EXECUTORS = ("process", "submitit-local", "slurm")
 EXIT_FAILED = 1
@@ -65,6 +74,7 @@ _RESERVED_EXECUTOR_KEYS = ("kind", "folder")
 
 # ------------------------------------------------------------------------------------------
 # Input.
+
 
 def parse_parallel(value: Any, where: str = "--parallel") -> int:
   """A positive integer, or ConfigError naming `where`."""
@@ -88,8 +98,10 @@ def executor_options(raw: Any, cli_kind: str | None) -> tuple[str, dict]:
   if isinstance(raw, str):
     raw = {"kind": raw}
   if not isinstance(raw, dict):
-    raise ConfigError(f"executor: expected a mapping (kind: process|submitit-local|slurm, then "
-                      f"submitit parameters) or a kind, got {raw!r}")
+    raise ConfigError(
+      f"executor: expected a mapping (kind: process|submitit-local|slurm, then "
+      f"submitit parameters) or a kind, got {raw!r}"
+    )
   params = {k: v for k, v in raw.items() if k not in _RESERVED_EXECUTOR_KEYS}
   kind = cli_kind or raw.get("kind") or "process"
   where = "--executor" if cli_kind else "executor.kind"
@@ -98,10 +110,12 @@ def executor_options(raw: Any, cli_kind: str | None) -> tuple[str, dict]:
   if "folder" in raw:
     raise ConfigError("executor.folder: the submitit folder is SWEEP_DIR/submitit; do not set it")
   if kind == "process" and params and cli_kind:
-    params = {}   # --executor process: the file's submitit parameters are for another kind
+    params = {}  # --executor process: the file's submitit parameters are for another kind
   if kind == "process" and params:
-    raise ConfigError(f"executor.{next(iter(params))}: the process executor takes no parameters "
-                      f"(they are for submitit-local and slurm)")
+    raise ConfigError(
+      f"executor.{next(iter(params))}: the process executor takes no parameters "
+      f"(they are for submitit-local and slurm)"
+    )
   if kind != "process":
     _check_submitit_params(kind, params)
   return kind, params
@@ -137,17 +151,20 @@ def _check_submitit_params(kind: str, params: dict) -> None:
     valid |= {f"slurm_{p}" for p in cls._valid_parameters()}
   for k in params:
     if k not in valid:
-      raise ConfigError(f"executor.{k}: not a submitit parameter for {kind} (known: "
-                        f"{', '.join(sorted(valid))})")
+      raise ConfigError(
+        f"executor.{k}: not a submitit parameter for {kind} (known: {', '.join(sorted(valid))})"
+      )
 
 
 # ------------------------------------------------------------------------------------------
 # Devices and slots.
 
+
 def _visible_gpus(env) -> list[str]:
   if "CUDA_VISIBLE_DEVICES" in env:
-    return [d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()
-            and d.strip() != "-1"]
+    return [
+      d.strip() for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d.strip() and d.strip() != "-1"
+    ]
   smi = shutil.which("nvidia-smi")
   if not smi:
     return []
@@ -160,6 +177,7 @@ def _visible_gpus(env) -> list[str]:
 
 def _tpu_chips() -> list[str]:
   import glob
+
   accel = sorted(glob.glob("/dev/accel[0-9]*"))
   if accel:
     return [str(i) for i in range(len(accel))]
@@ -181,8 +199,11 @@ def detect_devices(env=None) -> tuple[str, list[str]]:
     chips = _tpu_chips()
     if chips:
       return "tpu", chips
-  cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-      list(range(os.cpu_count() or 1))
+  cores = (
+    sorted(os.sched_getaffinity(0))
+    if hasattr(os, "sched_getaffinity")
+    else list(range(os.cpu_count() or 1))
+  )
   return "cpu", [str(c) for c in cores]
 
 
@@ -197,14 +218,15 @@ def cpu_device_count(env=None) -> int:
 class Slot:
   index: int
   platform: str
-  devices: list          # device ids (GPU/TPU) or cores (CPU)
-  env: dict              # variables to set for the worker
-  cpus: list | None      # cores to pin to (CPU)
-  n_devices: int         # what the run's mesh spans
+  devices: list  # device ids (GPU/TPU) or cores (CPU)
+  env: dict  # variables to set for the worker
+  cpus: list | None  # cores to pin to (CPU)
+  n_devices: int  # what the run's mesh spans
 
 
-def make_slots(k: int, platform: str | None = None, devices: list | None = None,
-               env=None) -> list[Slot]:
+def make_slots(
+  k: int, platform: str | None = None, devices: list | None = None, env=None
+) -> list[Slot]:
   """K slots over this host's devices (see the module docstring); ConfigError when there are
   fewer accelerators than K."""
   env = os.environ if env is None else env
@@ -215,21 +237,29 @@ def make_slots(k: int, platform: str | None = None, devices: list | None = None,
   if platform in ("gpu", "tpu"):
     per = len(devices) // k
     if per == 0:
-      raise ConfigError(f"--parallel: {k} runs at once need at least {k} {platform.upper()}s "
-                        f"(one each); this host has {len(devices)}")
+      raise ConfigError(
+        f"--parallel: {k} runs at once need at least {k} {platform.upper()}s "
+        f"(one each); this host has {len(devices)}"
+      )
     if platform == "tpu" and per not in _TPU_BOUNDS:
       per = max(p for p in _TPU_BOUNDS if p <= per)
     for i in range(k):
-      ids = devices[i * per:(i + 1) * per]
+      ids = devices[i * per : (i + 1) * per]
       if platform == "gpu":
         e = {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
       else:
         port = 8476 + i
-        e = {"TPU_VISIBLE_CHIPS": ",".join(ids), "TPU_VISIBLE_DEVICES": ",".join(ids),
-             "TPU_CHIPS_PER_PROCESS_BOUNDS": _TPU_BOUNDS[per], "TPU_PROCESS_BOUNDS": "1,1,1",
-             "TPU_PROCESS_PORT": str(port), "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
-             "TPU_MESH_CONTROLLER_ADDRESS": f"localhost:{port}",
-             "TPU_MESH_CONTROLLER_PORT": str(port), "CLOUD_TPU_TASK_ID": "0"}
+        e = {
+          "TPU_VISIBLE_CHIPS": ",".join(ids),
+          "TPU_VISIBLE_DEVICES": ",".join(ids),
+          "TPU_CHIPS_PER_PROCESS_BOUNDS": _TPU_BOUNDS[per],
+          "TPU_PROCESS_BOUNDS": "1,1,1",
+          "TPU_PROCESS_PORT": str(port),
+          "TPU_PROCESS_ADDRESSES": f"localhost:{port}",
+          "TPU_MESH_CONTROLLER_ADDRESS": f"localhost:{port}",
+          "TPU_MESH_CONTROLLER_PORT": str(port),
+          "CLOUD_TPU_TASK_ID": "0",
+        }
       slots.append(Slot(i, platform, ids, e, None, per))
     return slots
   cores = [int(c) for c in devices] or [0]
@@ -238,7 +268,7 @@ def make_slots(k: int, platform: str | None = None, devices: list | None = None,
   pin = env.get("MHC_SWEEP_PIN_CPUS", "0") == "1"
   for i in range(k):
     start = (i * per) % len(cores)
-    mine = (cores + cores)[start:start + per]
+    mine = (cores + cores)[start : start + per]
     slots.append(Slot(i, "cpu", [str(c) for c in mine], {}, mine if pin else None, n_dev))
   return slots
 
@@ -249,39 +279,47 @@ def check_runs(sweep, n_devices: int) -> None:
   the run (and the axis at fault)."""
   from mhc_jax import data
   from mhc_jax.train.config import validate_mesh, with_data_vocab
+
   for r in sweep.runs:
     cfg = r.cfg
     try:
       try:
-        source = data.make_source(cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
-                                  **cfg.data.options)
+        source = data.make_source(
+          cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
+        )
       except (ValueError, FileNotFoundError) as e:
         raise ConfigError(f"data.options: {e}") from None
       cfg = with_data_vocab(cfg, source.vocab_size)
       if cfg.model.vocab < source.vocab_size:
-        raise ConfigError(f"model.vocab: {cfg.model.vocab} is smaller than the data's vocabulary "
-                          f"({source.vocab_size})")
+        raise ConfigError(
+          f"model.vocab: {cfg.model.vocab} is smaller than the data's vocabulary "
+          f"({source.vocab_size})"
+        )
       if cfg.data.target == "posterior" and not source.has_posterior:
         raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
       validate_mesh(cfg.mesh, n_devices, cfg.data.batch_size)
     except ConfigError as e:
       key = str(e).split(":", 1)[0].strip()
       axis = next((a for a in r.overrides if key == a or key.startswith(a + ".")), None)
-      where = (f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis
-               else f"run {r.name}")
-      raise ConfigError(f"{where}: {e} (each of the parallel workers has {n_devices} "
-                        f"device(s))") from None
+      where = (
+        f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis else f"run {r.name}"
+      )
+      raise ConfigError(
+        f"{where}: {e} (each of the parallel workers has {n_devices} device(s))"
+      ) from None
 
 
 # ------------------------------------------------------------------------------------------
 # Launchers: start a unit's worker, tell when it has ended.
 
+
 def _unit_spec(sweep, names: list[str], runs_info: dict, token: str, slot: Slot | None) -> dict:
   from mhc_jax.train.config import to_dict
+
   runs = {}
   for n in names:
     d = to_dict(sweep.run(n).cfg)
-    d.pop("dist", None)   # a worker is one process
+    d.pop("dist", None)  # a worker is one process
     runs[n] = {"config": d, "dir": runs_info[n]["dir"]}
   spec = {"token": token, "runs": runs}
   if slot is not None:
@@ -303,8 +341,9 @@ class Started:
   def owns(self, owner: dict | None) -> bool:
     if not owner:
       return False
-    return owner.get("token") == self.token or (self.job_id is not None
-                                                and owner.get("job") == self.job_id)
+    return owner.get("token") == self.token or (
+      self.job_id is not None and owner.get("job") == self.job_id
+    )
 
 
 class ProcessLauncher:
@@ -326,9 +365,13 @@ class ProcessLauncher:
     env.update(slot.env)
     env["PYTHONUNBUFFERED"] = "1"
     with open(log, "ab") as out:
-      proc = subprocess.Popen([sys.executable, "-m", "mhc_jax.sweep.worker", str(self.dir),
-                               str(spec_path)], stdout=out, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True)
+      proc = subprocess.Popen(
+        [sys.executable, "-m", "mhc_jax.sweep.worker", str(self.dir), str(spec_path)],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+      )
     return Started(names, slot.index, token, log, proc=proc)
 
   def poll(self, s: Started) -> tuple[int, str] | None:
@@ -385,6 +428,7 @@ class SweepJob:
 
   def __call__(self) -> int:
     from mhc_jax.sweep import worker
+
     submitit_usr2 = signal.getsignal(signal.SIGUSR2)
     requeue = {"asked": False}
 
@@ -394,17 +438,18 @@ class SweepJob:
 
     signal.signal(signal.SIGUSR2, on_usr2)
     spec = dict(self.spec)
-    spec["token"] = uuid.uuid4().hex[:12]   # every life of the job is its own owner
+    spec["token"] = uuid.uuid4().hex[:12]  # every life of the job is its own owner
     for k in _DIST_ENV:
       os.environ.pop(k, None)
     rc = worker.run_unit(self.sweep_dir, spec)
     if rc == EXIT_PREEMPTED and callable(submitit_usr2):
       signal.signal(signal.SIGUSR2, submitit_usr2)
-      submitit_usr2(signal.SIGUSR2, None)   # checkpoint() + requeue; does not return
+      submitit_usr2(signal.SIGUSR2, None)  # checkpoint() + requeue; does not return
     return rc
 
   def checkpoint(self, *args, **kwargs):
     import submitit
+
     return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
@@ -418,8 +463,9 @@ class SubmititLauncher:
       self.executor = submitit.LocalExecutor(folder=folder, max_num_timeout=100)
       params.setdefault("timeout_min", 7 * 24 * 60)
     else:
-      self.executor = submitit.AutoExecutor(folder=folder, cluster="slurm",
-                                            slurm_max_num_timeout=100)
+      self.executor = submitit.AutoExecutor(
+        folder=folder, cluster="slurm", slurm_max_num_timeout=100
+      )
       extra = dict(params.pop("slurm_additional_parameters", None) or {})
       extra.setdefault("requeue", True)
       params["slurm_additional_parameters"] = extra
@@ -434,8 +480,11 @@ class SubmititLauncher:
       params.setdefault("gpus_per_node", len(slot.devices))
     self.executor.update_parameters(**params)
     job = self.executor.submit(SweepJob(str(self.dir), spec))
-    jid = (f"local:{os.uname().nodename}:{job.job_id}" if self.kind == "submitit-local"
-           else f"slurm:{job.job_id}")
+    jid = (
+      f"local:{os.uname().nodename}:{job.job_id}"
+      if self.kind == "submitit-local"
+      else f"slurm:{job.job_id}"
+    )
     log = Path(str(job.paths.stdout))
     return Started(names, slot.index, spec["token"], log, job=job, job_id=jid)
 
@@ -459,6 +508,7 @@ class SubmititLauncher:
 # ------------------------------------------------------------------------------------------
 # The scheduler.
 
+
 def _install_stop_handlers(stop: dict):
   old = {}
 
@@ -469,14 +519,22 @@ def _install_stop_handlers(stop: dict):
   for sig in (signal.SIGTERM, signal.SIGINT):
     try:
       old[sig] = signal.signal(sig, handler)
-    except ValueError:   # not the main thread
+    except ValueError:  # not the main thread
       pass
   return old
 
 
-def run_parallel(sweep, out_dir: Path, names: list[str], k: int | None, kind: str = "process",
-                 params: dict | None = None, *, progress: bool = True,
-                 poll_s: float = 0.5) -> int:
+def run_parallel(
+  sweep,
+  out_dir: Path,
+  names: list[str],
+  k: int | None,
+  kind: str = "process",
+  params: dict | None = None,
+  *,
+  progress: bool = True,
+  poll_s: float = 0.5,
+) -> int:
   """Train the runs `names` of `sweep` (already in the manifest) with up to `k` workers at
   once; returns 0, EXIT_FAILED when some run of the sweep failed, or 143 when stopped."""
   from mhc_jax.sweep import grid
@@ -488,13 +546,16 @@ def run_parallel(sweep, out_dir: Path, names: list[str], k: int | None, kind: st
   if k is None:
     k = len(units)
   k = max(1, min(k, len(units)))
-  slots = make_slots(k) if kind != "slurm" else [Slot(i, "cluster", [], {}, None, 0)
-                                                  for i in range(k)]
-  launcher = ProcessLauncher(out_dir) if kind == "process" else \
-      SubmititLauncher(out_dir, kind, params or {})
+  slots = (
+    make_slots(k) if kind != "slurm" else [Slot(i, "cluster", [], {}, None, 0) for i in range(k)]
+  )
+  launcher = (
+    ProcessLauncher(out_dir) if kind == "process" else SubmititLauncher(out_dir, kind, params or {})
+  )
   me = mf.Worker.current()
-  bar = SweepProgress(sweep.name, out_dir, {r.name: r.cfg.train.steps for r in sweep.runs}, k,
-                      enabled=progress)
+  bar = SweepProgress(
+    sweep.name, out_dir, {r.name: r.cfg.train.steps for r in sweep.runs}, k, enabled=progress
+  )
   order = {n: i + 1 for i, n in enumerate(names)}
   seen: dict = {}
 
@@ -509,7 +570,7 @@ def run_parallel(sweep, out_dir: Path, names: list[str], k: int | None, kind: st
       head = f"[{order[n]}/{len(names)}] {n}"
       if status == "running" and info.get("resumed_from") is not None:
         step = info["resumed_from"]
-        where = (info.get("owner") or {})
+        where = info.get("owner") or {}
         what = f"resuming from step {step}" if step else "starting"
         bar.write(f"{head}: {what} (worker {where.get('host')}:{where.get('pid')})")
       elif status in mf.FINISHED:
@@ -519,7 +580,7 @@ def run_parallel(sweep, out_dir: Path, names: list[str], k: int | None, kind: st
         bar.write(f"{head}: {status} in {float(info.get('wall_s') or 0):.1f}s{tail}")
 
   first = manifest.read() or {"runs": {}}
-  for n in names:   # what the manifest says already (e.g. a dead worker's claim) is not news
+  for n in names:  # what the manifest says already (e.g. a dead worker's claim) is not news
     info = first["runs"].get(n, {})
     seen[n] = (info.get("status"), info.get("attempts"), info.get("resumed_from"))
   queue = collections.deque(units)
@@ -533,10 +594,14 @@ def run_parallel(sweep, out_dir: Path, names: list[str], k: int | None, kind: st
     while queue or active:
       if stop and not stopping:
         stopping = True
-        bar.write(f"sweep {sweep.name}: stopping (signal {stop.get('signal')}); "
-                  + ("jobs keep running; run the same command to watch them again"
-                     if launcher.detach else
-                     "workers save a checkpoint; run the same command to continue"))
+        bar.write(
+          f"sweep {sweep.name}: stopping (signal {stop.get('signal')}); "
+          + (
+            "jobs keep running; run the same command to watch them again"
+            if launcher.detach
+            else "workers save a checkpoint; run the same command to continue"
+          )
+        )
         for s in active.values():
           launcher.stop(s)
         if launcher.detach:
@@ -552,7 +617,7 @@ def run_parallel(sweep, out_dir: Path, names: list[str], k: int | None, kind: st
             queue.remove(unit)
             continue
           if any(s == "held" for s in states):
-            continue   # another worker (another sweep command, a cluster job) has it
+            continue  # another worker (another sweep command, a cluster job) has it
           todo = [n for n, s in zip(unit, states) if s == "free"]
           queue.remove(unit)
           slot = slots[free.pop(0)]
@@ -588,8 +653,9 @@ def run_parallel(sweep, out_dir: Path, names: list[str], k: int | None, kind: st
   return EXIT_FAILED if any(i.get("status") == "failed" for i in m["runs"].values()) else 0
 
 
-def _after_exit(manifest: mf.Manifest, s: Started, rc: int, how: str, queue, retries,
-                stopping: bool) -> None:
+def _after_exit(
+  manifest: mf.Manifest, s: Started, rc: int, how: str, queue, retries, stopping: bool
+) -> None:
   """A worker ended: anything it claimed but did not record, it did not survive."""
   m = manifest.read() or {"runs": {}}
   tail = _tail(s.log)
@@ -600,12 +666,13 @@ def _after_exit(manifest: mf.Manifest, s: Started, rc: int, how: str, queue, ret
     status = info.get("status")
     if status == "running" and s.owns(info.get("owner")):
       wall = round(time.time() - float(info.get("claimed_at") or time.time()), 2)
-      manifest.finish(n, info["owner"]["token"], "failed", error=f"worker {how}{where}",
-                      wall_s=wall)
+      manifest.finish(
+        n, info["owner"]["token"], "failed", error=f"worker {how}{where}", wall_s=wall
+      )
     elif status == "pending" or (status == "running" and not info.get("owner")):
       if rc in (EXIT_NOT_CLAIMED, EXIT_PREEMPTED, 0, EXIT_FAILED) or stopping:
-        again.append(n)    # given back (preempted), or someone else has it: look again
-      else:   # the worker died before it could claim: it will not do better next time
+        again.append(n)  # given back (preempted), or someone else has it: look again
+      else:  # the worker died before it could claim: it will not do better next time
         manifest.finish(n, None, "failed", error=f"worker {how} before training{where}")
   if again and not stopping:
     key = tuple(again)

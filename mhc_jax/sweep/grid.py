@@ -46,6 +46,7 @@ attention term counts the two ``T x T`` products (``QK^T`` and ``AV``, ``2 T C``
 per token and layer forward, x3 for training) over the full unmasked square, as executed.
 Sinkhorn iterations, norms, softmax and evaluation are not counted.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,15 +61,42 @@ from pathlib import Path
 from typing import Any
 
 from mhc_jax.train.config import (
-    Config, ConfigError, apply_overrides, check_paths, from_dict, parse_override, to_dict,
-    yaml_load,
+  Config,
+  ConfigError,
+  apply_overrides,
+  check_paths,
+  from_dict,
+  parse_override,
+  to_dict,
+  yaml_load,
 )
 
-__all__ = ["Run", "Sweep", "POPULATION_KEYS", "SWEEP_KEYS", "load_sweep", "expand", "run_names",
-           "prepare_runs", "population_groups", "dry_run_table", "train_flops", "param_counts"]
+__all__ = [
+  "Run",
+  "Sweep",
+  "POPULATION_KEYS",
+  "SWEEP_KEYS",
+  "load_sweep",
+  "expand",
+  "run_names",
+  "prepare_runs",
+  "population_groups",
+  "dry_run_table",
+  "train_flops",
+  "param_counts",
+]
 
-SWEEP_KEYS = ("name", "base", "set", "axes", "population", "seeds", "description", "parallel",
-              "executor")
+SWEEP_KEYS = (
+  "name",
+  "base",
+  "set",
+  "axes",
+  "population",
+  "seeds",
+  "description",
+  "parallel",
+  "executor",
+)
 #: Axes that leave every shape alone, so runs differing only in them can share one program.
 POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -78,20 +106,20 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
 @dataclasses.dataclass(frozen=True)
 class Run:
   name: str
-  overrides: dict   # axis key -> value, in axis order
-  cfg: Config       # validated (vocabulary not yet resolved: see prepare_runs)
+  overrides: dict  # axis key -> value, in axis order
+  cfg: Config  # validated (vocabulary not yet resolved: see prepare_runs)
 
 
 @dataclasses.dataclass
 class Sweep:
   name: str
-  path: Path | None          # the sweep file
-  base_path: Path | None     # the resolved base config file
-  set: dict                  # dotted overrides for every run (file `set`, then --set)
-  axes: dict                 # dotted key -> list of values
-  population: tuple          # population axes (subset of axes and of POPULATION_KEYS)
-  base_config: dict          # base + set, validated, as a nested dict
-  runs: list                 # [Run]
+  path: Path | None  # the sweep file
+  base_path: Path | None  # the resolved base config file
+  set: dict  # dotted overrides for every run (file `set`, then --set)
+  axes: dict  # dotted key -> list of values
+  population: tuple  # population axes (subset of axes and of POPULATION_KEYS)
+  base_config: dict  # base + set, validated, as a nested dict
+  runs: list  # [Run]
   options: dict = dataclasses.field(default_factory=dict)  # parallel / executor (how to run)
 
   def run(self, name: str) -> Run:
@@ -100,6 +128,7 @@ class Sweep:
 
 # ------------------------------------------------------------------------------------------
 # Reading the file.
+
 
 def _flatten_set(value: Any, key: str = "set") -> dict:
   """`set` as {dotted key: value}: a mapping (nested ones flattened) or KEY=VALUE strings."""
@@ -138,7 +167,9 @@ def _resolve_base(base: Any, sweep_path: Path | None) -> Path:
   for c in cands:
     if c.is_file():
       return c
-  raise ConfigError(f"base: {base} not found (looked in: {', '.join(str(c.parent) for c in cands)})")
+  raise ConfigError(
+    f"base: {base} not found (looked in: {', '.join(str(c.parent) for c in cands)})"
+  )
 
 
 def _read_base(path: Path) -> dict:
@@ -163,8 +194,9 @@ def _validate(d: Mapping) -> Config:
   return cfg
 
 
-def load_sweep(path: str | os.PathLike | None = None, cli_set: Any = (), *,
-               data: Mapping | None = None) -> Sweep:
+def load_sweep(
+  path: str | os.PathLike | None = None, cli_set: Any = (), *, data: Mapping | None = None
+) -> Sweep:
   """Read, expand and validate a sweep (from `path`, or from the mapping `data`).
 
   `cli_set` (``--set`` strings) is applied after the file's ``set``. Raises ConfigError.
@@ -219,20 +251,22 @@ def load_sweep(path: str | os.PathLike | None = None, cli_set: Any = (), *,
     pop = pop if "train.seed" in pop else [*pop, "train.seed"]
   for k in pop:
     if k not in POPULATION_KEYS:
-      raise ConfigError(f"population.{k}: cannot be trained as a population (only axes that "
-                        f"change no shape can: {', '.join(POPULATION_KEYS)})")
+      raise ConfigError(
+        f"population.{k}: cannot be trained as a population (only axes that "
+        f"change no shape can: {', '.join(POPULATION_KEYS)})"
+      )
     if k not in axes:
       raise ConfigError(f"population.{k}: not an axis of this sweep (axes: {', '.join(axes)})")
 
   runs = [Run(n, ov, _validate_run(base_cfg_dict, ov, n)) for n, ov in expand(axes)]
   options = {k: data[k] for k in ("parallel", "executor") if data.get(k) is not None}
-  if options:   # how to run, not what: checked here, applied by the runner (sweep.executor)
+  if options:  # how to run, not what: checked here, applied by the runner (sweep.executor)
     from mhc_jax.sweep import executor
+
     if "parallel" in options:
       options["parallel"] = executor.parse_parallel(options["parallel"], "parallel")
     executor.executor_options(options.get("executor"), None)
-  return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs,
-               options)
+  return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs, options)
 
 
 def _seed_values(value: Any, first: int) -> list:
@@ -241,21 +275,27 @@ def _seed_values(value: Any, first: int) -> list:
     if value < 1:
       raise ConfigError(f"seeds: expected a positive number of seeds, got {value}")
     return [first + i for i in range(value)]
-  if (isinstance(value, list) and value
-      and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+  if (
+    isinstance(value, list)
+    and value
+    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+  ):
     if len(set(value)) != len(value):
       raise ConfigError(f"seeds: repeated seeds in {value!r}")
     return list(value)
-  raise ConfigError(f"seeds: expected a number of seeds or a list of distinct non-negative integer "
-                    f"seeds, got {value!r}")
+  raise ConfigError(
+    f"seeds: expected a number of seeds or a list of distinct non-negative integer "
+    f"seeds, got {value!r}"
+  )
 
 
 def _validate_run(base: Mapping, overrides: Mapping, name: str) -> Config:
   return _validate_with(base, overrides, "axes", f" (run {name})")
 
 
-def _validate_with(base: Mapping, overrides: Mapping, label: str, where: str,
-                   base_label: str | None = None) -> Config:
+def _validate_with(
+  base: Mapping, overrides: Mapping, label: str, where: str, base_label: str | None = None
+) -> Config:
   """`base` + `overrides` validated, or ConfigError naming ``<label>.<key>``: the override at
   fault (the one the error names, else the one without which the config is valid); where no
   override is at fault, `base_label` (if given) is named instead."""
@@ -264,7 +304,9 @@ def _validate_with(base: Mapping, overrides: Mapping, label: str, where: str,
   except ConfigError as e:
     err = e
   key = _err_key(err)
-  culprits = [k for k in overrides if key == k or key.startswith(k + ".") or k.startswith(key + ".")]
+  culprits = [
+    k for k in overrides if key == k or key.startswith(k + ".") or k.startswith(key + ".")
+  ]
   if not culprits:
     for k in overrides:
       rest = {kk: vv for kk, vv in overrides.items() if kk != k}
@@ -284,6 +326,7 @@ def _validate_with(base: Mapping, overrides: Mapping, label: str, where: str,
 
 # ------------------------------------------------------------------------------------------
 # Names and the grid.
+
 
 def _fmt_value(v: Any) -> str:
   if isinstance(v, bool) or v is None:
@@ -321,8 +364,9 @@ def expand(axes: Mapping[str, list]) -> list[tuple[str, dict]]:
     if len(name) > 200:
       name = name[:180] + "_" + hashlib.sha256(name.encode()).hexdigest()[:10]
     if name in seen:
-      raise ConfigError(f"axes: runs {seen[name]} and {ov} get the same name {name!r}; "
-                        f"make the values distinct")
+      raise ConfigError(
+        f"axes: runs {seen[name]} and {ov} get the same name {name!r}; make the values distinct"
+      )
     seen[name] = ov
     out.append((name, ov))
   return out
@@ -336,8 +380,9 @@ def population_groups(sweep: Sweep, names: list[str] | None = None) -> list[list
     return [[r] for r in runs]
   groups: dict[str, list[Run]] = {}
   for r in runs:
-    key = json.dumps({k: v for k, v in r.overrides.items() if k not in sweep.population},
-                     sort_keys=True)
+    key = json.dumps(
+      {k: v for k, v in r.overrides.items() if k not in sweep.population}, sort_keys=True
+    )
     groups.setdefault(key, []).append(r)
   return list(groups.values())
 
@@ -345,9 +390,11 @@ def population_groups(sweep: Sweep, names: list[str] | None = None) -> list[list
 # ------------------------------------------------------------------------------------------
 # Preparation (data sources, vocabulary, mesh) and the dry-run estimate.
 
+
 def prepare_runs(sweep: Sweep) -> dict:
   """{run name: train.loop.Setup}; ConfigError (naming the run) on the first bad one."""
   from mhc_jax.train.loop import prepare
+
   setups, cache = {}, {}
   for r in sweep.runs:
     key = json.dumps(to_dict(r.cfg), sort_keys=True, default=str)
@@ -356,7 +403,9 @@ def prepare_runs(sweep: Sweep) -> dict:
     except ConfigError as e:
       k = _err_key(e)
       axis = next((a for a in r.overrides if k == a or k.startswith(a + ".")), None)
-      where = f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis else f"run {r.name}"
+      where = (
+        f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis else f"run {r.name}"
+      )
       raise ConfigError(f"{where}: {e}") from None
     cache[key] = setups[r.name]
   return setups
@@ -366,6 +415,7 @@ def param_counts(model_cfg) -> dict:
   """Closed-form parameter counts (vocab resolved); jax.eval_shape of the init where a mixer
   has no closed form."""
   from mhc_jax.model.params import expected_params
+
   try:
     return expected_params(model_cfg)
   except ValueError:
@@ -373,9 +423,12 @@ def param_counts(model_cfg) -> dict:
     import jax.numpy as jnp
 
     from mhc_jax.model import Transformer, count_params
-    shapes = jax.eval_shape(lambda: Transformer(model_cfg).init(
-        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
+
+    shapes = jax.eval_shape(
+      lambda: Transformer(model_cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+    )
     import flax.linen as nn
+
     return count_params(nn.meta.unbox(shapes))
 
 
@@ -392,6 +445,7 @@ def train_flops(cfg: Config, params: Mapping | None = None) -> float:
 def dry_run_table(sweep: Sweep, setups: Mapping):
   """A DataFrame: run, population group, params, non-embedding params, tokens, train FLOPs."""
   import pandas as pd
+
   group_of = {}
   for i, g in enumerate(population_groups(sweep)):
     for r in g:
@@ -400,10 +454,16 @@ def dry_run_table(sweep: Sweep, setups: Mapping):
   for r in sweep.runs:
     cfg = setups[r.name].cfg
     p = param_counts(cfg.model)
-    rows.append({"run": r.name, "population": group_of[r.name], "params": p["total"],
-                 "non_embedding": p["non_embedding"],
-                 "tokens": cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len,
-                 "train_flops": train_flops(cfg, p)})
+    rows.append(
+      {
+        "run": r.name,
+        "population": group_of[r.name],
+        "params": p["total"],
+        "non_embedding": p["non_embedding"],
+        "tokens": cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len,
+        "train_flops": train_flops(cfg, p),
+      }
+    )
   df = pd.DataFrame(rows)
   if not sweep.population:
     df = df.drop(columns=["population"])

@@ -35,6 +35,7 @@ transaction that first checks who owns the run, so two workers never both train 
 worker that lost its claim cannot overwrite the new owner's result. A run's ``attempts``
 counts its claims.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -51,8 +52,16 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["Manifest", "Worker", "Heartbeat", "ManifestError", "lease_seconds", "claim_state",
-           "FINISHED", "counts"]
+__all__ = [
+  "Manifest",
+  "Worker",
+  "Heartbeat",
+  "ManifestError",
+  "lease_seconds",
+  "claim_state",
+  "FINISHED",
+  "counts",
+]
 
 FINISHED = ("done", "failed")
 MANIFEST, LOCK = "manifest.json", "manifest.lock"
@@ -75,6 +84,7 @@ def lease_seconds() -> float:
 
 # ------------------------------------------------------------------------------------------
 # Who is working.
+
 
 def _read(path: str) -> str:
   try:
@@ -136,6 +146,7 @@ def _job_id() -> str | None:
 @dataclasses.dataclass(frozen=True)
 class Worker:
   """The identity a claim records."""
+
   token: str
   host: str
   machine: str
@@ -146,8 +157,14 @@ class Worker:
   @classmethod
   def current(cls, token: str | None = None) -> "Worker":
     pid = os.getpid()
-    return cls(token or uuid.uuid4().hex[:12], socket.gethostname(), _machine_id(), pid,
-               _start_time(pid), _job_id())
+    return cls(
+      token or uuid.uuid4().hex[:12],
+      socket.gethostname(),
+      _machine_id(),
+      pid,
+      _start_time(pid),
+      _job_id(),
+    )
 
   def as_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -157,11 +174,14 @@ class Worker:
 
 
 def _describe(owner: dict) -> str:
-  return f"{owner.get('host')}:{owner.get('pid')}" + (f" ({owner['job']})" if owner.get("job") else "")
+  return f"{owner.get('host')}:{owner.get('pid')}" + (
+    f" ({owner['job']})" if owner.get("job") else ""
+  )
 
 
-def claim_state(info: dict, me: Worker, now: float | None = None,
-                lease_s: float | None = None) -> str:
+def claim_state(
+  info: dict, me: Worker, now: float | None = None, lease_s: float | None = None
+) -> str:
   """What `me` may do with a run: ``finished`` (done or failed), ``mine`` (claimed by me),
   ``held`` (a live owner has it), ``free`` (pending, or its owner is gone)."""
   status = info.get("status")
@@ -173,7 +193,7 @@ def claim_state(info: dict, me: Worker, now: float | None = None,
   if owner.get("token") == me.token:
     return "mine"
   if me.job and owner.get("job") == me.job:
-    return "free"   # an earlier life of this cluster job (it was requeued)
+    return "free"  # an earlier life of this cluster job (it was requeued)
   if owner.get("machine") == me.machine and owner.get("pid"):
     return "held" if pid_alive(int(owner["pid"]), owner.get("started")) else "free"
   now = time.time() if now is None else now
@@ -193,6 +213,7 @@ def counts(runs: dict) -> dict:
 # ------------------------------------------------------------------------------------------
 # The document.
 
+
 def _dump(m: dict) -> str:
   return json.dumps(m, indent=1, default=str)
 
@@ -200,7 +221,7 @@ def _dump(m: dict) -> str:
 class Manifest:
   """``SWEEP_DIR/manifest.json`` and its lock; see the module docstring."""
 
-  _thread_lock = threading.RLock()   # POSIX locks do not exclude a process's own threads
+  _thread_lock = threading.RLock()  # POSIX locks do not exclude a process's own threads
 
   def __init__(self, sweep_dir: str | os.PathLike, lock_timeout_s: float = 300.0):
     self.dir = Path(sweep_dir)
@@ -244,15 +265,18 @@ class Manifest:
           except OSError as e:
             if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
               raise ManifestError(
-                  f"{path}: the filesystem refuses POSIX locks ({e.strerror}); keep "
-                  f"the sweep directory on a filesystem with locking (local disk, NFS with "
-                  f"lockd/NFSv4, Lustre mounted with -o flock)") from None
+                f"{path}: the filesystem refuses POSIX locks ({e.strerror}); keep "
+                f"the sweep directory on a filesystem with locking (local disk, NFS with "
+                f"lockd/NFSv4, Lustre mounted with -o flock)"
+              ) from None
             if e.errno not in (errno.EACCES, errno.EAGAIN):
               raise
             if time.monotonic() > deadline:
-              raise ManifestError(f"{path}: still locked after "
-                                  f"{self.lock_timeout_s:.0f}s (is a worker stopped while "
-                                  f"holding it?)") from None
+              raise ManifestError(
+                f"{path}: still locked after "
+                f"{self.lock_timeout_s:.0f}s (is a worker stopped while "
+                f"holding it?)"
+              ) from None
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
         try:
@@ -270,10 +294,12 @@ class Manifest:
       m = self.read() or {}
       if int(m.get("seq") or 0) >= want:
         return m, want
-      if time.monotonic() > deadline:   # the newer document is gone: say so, never regress
-        raise ManifestError(f"{self.path}: holds seq {m.get('seq')} but {self.lock_path} says "
-                            f"{want} was written; the manifest was replaced from outside")
-      time.sleep(0.05)   # an NFS client still shows the previous file: wait for the new one
+      if time.monotonic() > deadline:  # the newer document is gone: say so, never regress
+        raise ManifestError(
+          f"{self.path}: holds seq {m.get('seq')} but {self.lock_path} says "
+          f"{want} was written; the manifest was replaced from outside"
+        )
+      time.sleep(0.05)  # an NFS client still shows the previous file: wait for the new one
 
   def _write(self, fd: int, m: dict, last: int) -> None:
     m["seq"] = max(int(m.get("seq") or 0), last) + 1
@@ -284,7 +310,7 @@ class Manifest:
       f.flush()
       os.fsync(f.fileno())
     os.replace(tmp, self.path)
-    with contextlib.suppress(OSError):   # the rename itself durable (a no-op on some filesystems)
+    with contextlib.suppress(OSError):  # the rename itself durable (a no-op on some filesystems)
       dfd = os.open(self.dir, os.O_RDONLY)
       try:
         os.fsync(dfd)
@@ -331,11 +357,13 @@ class Manifest:
         if state == "free":
           info["attempts"] = int(info.get("attempts") or 0) + 1
           if old and old.get("token") != me.token:
-            info["taken_over"] = (f"from {_describe(old)} (gone; last heartbeat "
-                                  f"{now - float(info.get('heartbeat') or now):.0f}s before)")
+            info["taken_over"] = (
+              f"from {_describe(old)} (gone; last heartbeat "
+              f"{now - float(info.get('heartbeat') or now):.0f}s before)"
+            )
         if state == "free":
           info["claimed_at"] = now
-          info.pop("resumed_from", None)   # the new owner says where it starts
+          info.pop("resumed_from", None)  # the new owner says where it starts
         info.update(status="running", owner=me.as_dict(), heartbeat=now, host=me.host)
         info.pop("error", None)
         got.append(n)
@@ -361,21 +389,26 @@ class Manifest:
 
   def update_run(self, name: str, token: str | None, **fields) -> bool:
     """Set fields of a run `token` owns (any run when token is None); False if not owned."""
+
     def fn(m):
       info = m["runs"].get(name)
       if info is None:
         return False
-      if token is not None and (info.get("status") != "running"
-                                or (info.get("owner") or {}).get("token") != token):
+      if token is not None and (
+        info.get("status") != "running" or (info.get("owner") or {}).get("token") != token
+      ):
         return False
       info.update(fields)
       return True
+
     return self.transact(fn)
 
-  def finish(self, name: str, token: str | None, status: str, *, error: str | None = None,
-             **fields) -> bool:
+  def finish(
+    self, name: str, token: str | None, status: str, *, error: str | None = None, **fields
+  ) -> bool:
     """Record a run's end (``done``, ``failed``, or ``pending`` to give it back) -- only by its
     owner `token` (or, with token None, by anyone while no live owner has it)."""
+
     def fn(m):
       info = m["runs"].get(name)
       if info is None:
@@ -393,6 +426,7 @@ class Manifest:
         info["error"] = error
       info.update({k: v for k, v in fields.items() if v is not None})
       return True
+
     return self.transact(fn)
 
 
@@ -402,8 +436,14 @@ class Heartbeat:
   ``on_lost(names)`` is called (default: exit the process at once, without writing anything
   more: the run belongs to someone else now)."""
 
-  def __init__(self, manifest: Manifest, me: Worker, names: list[str],
-               every_s: float | None = None, on_lost: Callable[[list[str]], None] | None = None):
+  def __init__(
+    self,
+    manifest: Manifest,
+    me: Worker,
+    names: list[str],
+    every_s: float | None = None,
+    on_lost: Callable[[list[str]], None] | None = None,
+  ):
     self.manifest, self.me, self.names = manifest, me, list(names)
     self.every_s = every_s or max(0.2, lease_seconds() / 6)
     self.on_lost = on_lost or _exit_lost
@@ -434,6 +474,9 @@ EXIT_LOST_CLAIM = 75
 
 
 def _exit_lost(names: list[str]) -> None:
-  print(f"error: lost the claim on {', '.join(names)} (another worker took it over after this "
-        f"one missed its heartbeats); stopping without writing", flush=True)
+  print(
+    f"error: lost the claim on {', '.join(names)} (another worker took it over after this "
+    f"one missed its heartbeats); stopping without writing",
+    flush=True,
+  )
   os._exit(EXIT_LOST_CLAIM)

@@ -14,6 +14,7 @@ lr axis, the shade of that colour encodes the learning rate (darker = larger); o
 (e.g. width when panels are depths) get line styles; replicate seeds share a style.
 Non-finite points are never drawn (curves stop); they are marked instead.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,24 +27,24 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-
-from mhc_jax.sweep import stats  # noqa: E402
 from matplotlib.colors import LogNorm, to_rgb  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
+from mhc_jax.sweep import stats  # noqa: E402
+
 __all__ = [
-    "mixer_colors",
-    "describe",
-    "CAPTIONS",
-    "loss_curves",
-    "grad_norm_curves",
-    "composite_gain_vs_depth",
-    "pick_heatmap_runs",
-    "layer_heatmap",
-    "lr_sensitivity_curves",
+  "mixer_colors",
+  "describe",
+  "CAPTIONS",
+  "loss_curves",
+  "grad_norm_curves",
+  "composite_gain_vs_depth",
+  "pick_heatmap_runs",
+  "layer_heatmap",
+  "lr_sensitivity_curves",
 ]
 
 _KNOWN = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc_lite": "#2ca02c"}
@@ -52,599 +53,785 @@ _STYLES = ["-", "--", ":", "-."]
 _ROLE_COLS = ("run", "mixer", "lr", "seed")
 
 CAPTIONS = {
-    "loss_curves": "Training loss (nats per token) against step, {panel_text}. "
-    "Colour = mixer{shade_text}{style_text}.{seed_text} "
-    "× marks a detected loss spike (a spike/loss event: loss above the mean + 6σ of the trailing 128 steps); "
-    "▼ at the top edge marks the step where a run's loss first became NaN/inf, where its curve stops. "
-    "Read: lower and smoother is better; x's and curves that turn upward are instabilities.",
-    "grad_norms": "Global gradient norm (L2, before clipping) against step, log scale, {panel_text}. "
-    "Colour = mixer{shade_text}{style_text}.{seed_text} × marks a gradient-norm spike (spike/grad event), "
-    "▼ the first "
-    "non-finite gradient norm. Read: a flat or slowly falling band is healthy; jumps by a decade or more "
-    "usually accompany or precede loss spikes.",
-    "amax_vs_depth": "Amax gain of the whole-depth product ∏ H_res (the mHC paper's \"Amax Gain Magnitude\"; "
-    "forward = max |row sum|, backward = max |column sum|) at the end of training (last logged finite "
-    "value), against depth L (2L mixer layers; log2 axis when depths span 4x or more). Solid lines: the "
-    "product of the token-averaged H_res (what the paper plots); dashed, where the logs have it: the "
-    "per-token composite (each sampled token's own product, averaged over tokens), which token averaging "
-    "can hide. One line per "
-    "mixer; where several runs of a mixer differ only in the seed, the point is their geometric mean and "
-    "the shaded band the 95% Student t interval over seeds (on log values); where they differ in other "
-    "axes too (lr, width), the point is their median and the bar spans min to max. Log scale; the dotted "
-    "line is 1 (the residual path neither "
-    "amplifies nor attenuates). Read: a line that climbs with depth means per-layer gains compound "
-    "(unconstrained HC); a flat line at 1 is what the doubly stochastic constraint of mHC buys.",
-    "heatmap": "Per-layer gains over training, one figure per run. Left: gain_fwd = RMS(stream out) / "
-    "RMS(stream in) of each mixer layer (rows, bottom = first attention sublayer, attention and MLP "
-    "alternate); right: composite forward Amax gain of the product of H_res up to that layer (top row = "
-    "whole depth). Columns are the steps where per-layer diagnostics were logged. Log colour scale "
-    "centred on 1: white = 1, red amplifies, blue attenuates; grey = not logged or non-finite. Shown "
-    "for {n_heatmaps} runs: {heatmap_text} (at most {max_heatmaps}; write_report(max_heatmaps=...) "
-    "changes it).",
-    "lr_sensitivity": "Final loss (mean of the last 5% of logged losses) against learning rate (log scale), "
-    "{panel_text}; one line per group of runs that differ only in lr, coloured by mixer{style_text}. "
-    "X = a run whose final loss is NaN/inf, drawn at the initial loss, which is what it counts as in "
-    "Wortsman et al.'s LR sensitivity (LRS, in the legend; the dotted line is the initial loss). "
-    "With seeds, the line is the mean final loss over seeds and the band its 95% Student t interval, an X "
-    "marks an lr where any seed diverged, and the LRS is mean [95% CI] over the seeds' LRS. "
-    "Read: a wide flat valley (small LRS) means the mixer trains well over a broad range of lr.",
+  "loss_curves": "Training loss (nats per token) against step, {panel_text}. "
+  "Colour = mixer{shade_text}{style_text}.{seed_text} "
+  "× marks a detected loss spike (a spike/loss event: loss above the mean + 6σ of the trailing 128 steps); "
+  "▼ at the top edge marks the step where a run's loss first became NaN/inf, where its curve stops. "
+  "Read: lower and smoother is better; x's and curves that turn upward are instabilities.",
+  "grad_norms": "Global gradient norm (L2, before clipping) against step, log scale, {panel_text}. "
+  "Colour = mixer{shade_text}{style_text}.{seed_text} × marks a gradient-norm spike (spike/grad event), "
+  "▼ the first "
+  "non-finite gradient norm. Read: a flat or slowly falling band is healthy; jumps by a decade or more "
+  "usually accompany or precede loss spikes.",
+  "amax_vs_depth": 'Amax gain of the whole-depth product ∏ H_res (the mHC paper\'s "Amax Gain Magnitude"; '
+  "forward = max |row sum|, backward = max |column sum|) at the end of training (last logged finite "
+  "value), against depth L (2L mixer layers; log2 axis when depths span 4x or more). Solid lines: the "
+  "product of the token-averaged H_res (what the paper plots); dashed, where the logs have it: the "
+  "per-token composite (each sampled token's own product, averaged over tokens), which token averaging "
+  "can hide. One line per "
+  "mixer; where several runs of a mixer differ only in the seed, the point is their geometric mean and "
+  "the shaded band the 95% Student t interval over seeds (on log values); where they differ in other "
+  "axes too (lr, width), the point is their median and the bar spans min to max. Log scale; the dotted "
+  "line is 1 (the residual path neither "
+  "amplifies nor attenuates). Read: a line that climbs with depth means per-layer gains compound "
+  "(unconstrained HC); a flat line at 1 is what the doubly stochastic constraint of mHC buys.",
+  "heatmap": "Per-layer gains over training, one figure per run. Left: gain_fwd = RMS(stream out) / "
+  "RMS(stream in) of each mixer layer (rows, bottom = first attention sublayer, attention and MLP "
+  "alternate); right: composite forward Amax gain of the product of H_res up to that layer (top row = "
+  "whole depth). Columns are the steps where per-layer diagnostics were logged. Log colour scale "
+  "centred on 1: white = 1, red amplifies, blue attenuates; grey = not logged or non-finite. Shown "
+  "for {n_heatmaps} runs: {heatmap_text} (at most {max_heatmaps}; write_report(max_heatmaps=...) "
+  "changes it).",
+  "lr_sensitivity": "Final loss (mean of the last 5% of logged losses) against learning rate (log scale), "
+  "{panel_text}; one line per group of runs that differ only in lr, coloured by mixer{style_text}. "
+  "X = a run whose final loss is NaN/inf, drawn at the initial loss, which is what it counts as in "
+  "Wortsman et al.'s LR sensitivity (LRS, in the legend; the dotted line is the initial loss). "
+  "With seeds, the line is the mean final loss over seeds and the band its 95% Student t interval, an X "
+  "marks an lr where any seed diverged, and the LRS is mean [95% CI] over the seeds' LRS. "
+  "Read: a wide flat valley (small LRS) means the mixer trains well over a broad range of lr.",
 }
 
 
 # =========================================================================== helpers
 def _order(mixers: Sequence[Any]) -> list[str]:
-    names = sorted({str(m) for m in mixers})
-    known = [m for m in _KNOWN if m in names]
-    return known + [m for m in names if m not in _KNOWN]
+  names = sorted({str(m) for m in mixers})
+  known = [m for m in _KNOWN if m in names]
+  return known + [m for m in names if m not in _KNOWN]
 
 
 def mixer_colors(mixers: Sequence[Any]) -> dict[str, str]:
-    """Fixed colours for the known mixers (residual grey, hc red, mhc blue, mhc_lite green),
-    a fixed palette in sorted-name order for the rest."""
-    out, extra = {}, iter(_EXTRA * 4)
-    for m in _order(mixers):
-        out[m] = _KNOWN.get(m) or next(extra)
-    return out
+  """Fixed colours for the known mixers (residual grey, hc red, mhc blue, mhc_lite green),
+  a fixed palette in sorted-name order for the rest."""
+  out, extra = {}, iter(_EXTRA * 4)
+  for m in _order(mixers):
+    out[m] = _KNOWN.get(m) or next(extra)
+  return out
 
 
 def _shade(color: str, k: int, n: int) -> tuple[float, float, float]:
-    """k-th of n shades: lightest for k = 0, darkest for k = n - 1."""
-    rgb = np.asarray(to_rgb(color))
-    if n <= 1:
-        return tuple(rgb)
-    f = -0.6 + 0.9 * k / (n - 1)  # < 0: mix with white, > 0: mix with black
-    return tuple(rgb * (1 + f) - f if f < 0 else rgb * (1 - f))
+  """k-th of n shades: lightest for k = 0, darkest for k = n - 1."""
+  rgb = np.asarray(to_rgb(color))
+  if n <= 1:
+    return tuple(rgb)
+  f = -0.6 + 0.9 * k / (n - 1)  # < 0: mix with white, > 0: mix with black
+  return tuple(rgb * (1 + f) - f if f < 0 else rgb * (1 - f))
 
 
 def _num(s: pd.Series) -> pd.Series:
-    return pd.to_numeric(s, errors="coerce")
+  return pd.to_numeric(s, errors="coerce")
 
 
 def _varying(runs: pd.DataFrame, col: str) -> bool:
-    return col in runs.columns and runs[col].dropna().astype(str).nunique() > 1
+  return col in runs.columns and runs[col].dropna().astype(str).nunique() > 1
 
 
 def _panel_col(runs: pd.DataFrame) -> str | None:
-    for col in ("depth", "width"):
-        if _varying(runs, col):
-            return col
-    return None
+  for col in ("depth", "width"):
+    if _varying(runs, col):
+      return col
+  return None
 
 
 def _style_cols(runs: pd.DataFrame, panel: str | None) -> list[str]:
-    ids = runs.attrs.get("id_columns") or [c for c in ("depth", "width") if c in runs.columns]
-    return [c for c in ids if c not in _ROLE_COLS and c != panel and _varying(runs, c)]
+  ids = runs.attrs.get("id_columns") or [c for c in ("depth", "width") if c in runs.columns]
+  return [c for c in ids if c not in _ROLE_COLS and c != panel and _varying(runs, c)]
 
 
 def _fmt(v: Any) -> str:
-    if isinstance(v, (float, np.floating)) and float(v).is_integer() and abs(v) < 1e6:
-        return str(int(v))
-    return f"{v:g}" if isinstance(v, (float, np.floating)) else str(v)
+  if isinstance(v, (float, np.floating)) and float(v).is_integer() and abs(v) < 1e6:
+    return str(int(v))
+  return f"{v:g}" if isinstance(v, (float, np.floating)) else str(v)
 
 
 def _panel_title(col: str | None, v: Any) -> str:
-    if col == "depth":
-        try:
-            return f"depth L = {_fmt(v)}  ({2 * int(float(v))} mixer layers)"
-        except (TypeError, ValueError):
-            return f"depth = {v}"
-    if col == "width":
-        return f"width C = {_fmt(v)}"
-    return ""
+  if col == "depth":
+    try:
+      return f"depth L = {_fmt(v)}  ({2 * int(float(v))} mixer layers)"
+    except (TypeError, ValueError):
+      return f"depth = {v}"
+  if col == "width":
+    return f"width C = {_fmt(v)}"
+  return ""
 
 
 def describe(runs: pd.DataFrame) -> dict[str, str]:
-    """Words for the captions: how panels, shades and line styles map to sweep axes."""
-    panel = _panel_col(runs)
-    styles = _style_cols(runs, panel)
-    return {
-        "panel_text": f"one panel per {panel}" if panel else "all runs in one panel",
-        "shade_text": "; shade = learning rate (darker = larger)" if _varying(runs, "lr") else "",
-        "style_text": f"; line style = {', '.join(styles)}" if styles else "",
-        "heatmap_text": "the deepest run of each mixer (ties: the one with the largest composite gain)",
-        "seed_text": (" Where runs differ only in the seed, the line is their mean (geometric mean on a log axis) "
-                      "and the shaded band the range (min to max) over the seeds at each step, stopping where any "
-                      "seed has no finite value; × and ▼ mark individual seeds. The 95% intervals of the summary "
-                      "numbers are in the groups table.") if _varying(runs, "seed") else "",
-    }
+  """Words for the captions: how panels, shades and line styles map to sweep axes."""
+  panel = _panel_col(runs)
+  styles = _style_cols(runs, panel)
+  return {
+    "panel_text": f"one panel per {panel}" if panel else "all runs in one panel",
+    "shade_text": "; shade = learning rate (darker = larger)" if _varying(runs, "lr") else "",
+    "style_text": f"; line style = {', '.join(styles)}" if styles else "",
+    "heatmap_text": "the deepest run of each mixer (ties: the one with the largest composite gain)",
+    "seed_text": (
+      " Where runs differ only in the seed, the line is their mean (geometric mean on a log axis) "
+      "and the shaded band the range (min to max) over the seeds at each step, stopping where any "
+      "seed has no finite value; × and ▼ mark individual seeds. The 95% intervals of the summary "
+      "numbers are in the groups table."
+    )
+    if _varying(runs, "seed")
+    else "",
+  }
 
 
 def _mixer_of(runs: pd.DataFrame) -> pd.Series:
-    return runs["mixer"].astype(str) if "mixer" in runs.columns else pd.Series("run", index=runs.index)
+  return (
+    runs["mixer"].astype(str) if "mixer" in runs.columns else pd.Series("run", index=runs.index)
+  )
 
 
 def _grid(n: int, w: float = 4.8, h: float = 3.6):
-    ncols = min(n, 3)
-    nrows = math.ceil(n / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False, sharex=True,
-                             sharey=True)
-    fig.subplots_adjust(left=0.08 if ncols > 1 else 0.14, right=0.98, bottom=0.14 if nrows == 1 else 0.08,
-                        top=0.86 if nrows == 1 else 0.92, wspace=0.08, hspace=0.3)
-    flat = axes.ravel()
-    for ax in flat[n:]:
-        ax.set_visible(False)
-    return fig, flat[:n]
+  ncols = min(n, 3)
+  nrows = math.ceil(n / ncols)
+  fig, axes = plt.subplots(
+    nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False, sharex=True, sharey=True
+  )
+  fig.subplots_adjust(
+    left=0.08 if ncols > 1 else 0.14,
+    right=0.98,
+    bottom=0.14 if nrows == 1 else 0.08,
+    top=0.86 if nrows == 1 else 0.92,
+    wspace=0.08,
+    hspace=0.3,
+  )
+  flat = axes.ravel()
+  for ax in flat[n:]:
+    ax.set_visible(False)
+  return fig, flat[:n]
 
 
 def _save(fig, path, dpi: int) -> str:
-    path = os.fspath(path)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
-    plt.close(fig)
-    return path
+  path = os.fspath(path)
+  fig.savefig(path, dpi=dpi, bbox_inches="tight")
+  plt.close(fig)
+  return path
 
 
 def _series(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
-    if col not in df.columns:
-        return np.zeros(0), np.zeros(0)
-    d = df[["step", col]]
-    d = d[d[col].map(lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool))]
-    return d["step"].to_numpy(dtype=np.float64), d[col].to_numpy(dtype=np.float64)
+  if col not in df.columns:
+    return np.zeros(0), np.zeros(0)
+  d = df[["step", col]]
+  d = d[
+    d[col].map(
+      lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+    )
+  ]
+  return d["step"].to_numpy(dtype=np.float64), d[col].to_numpy(dtype=np.float64)
 
 
 def _plain_log_ticks(ax, axis: str = "y") -> None:
-    """Plain-number tick labels on a log axis ("0.5", "2", "1e+03" rather than 5×10^-1); an
-    axis spanning less than about a decade gets evenly spaced round ticks instead of decades.
-    Call after the data (and limits) are in place."""
-    ax_ = ax.yaxis if axis == "y" else ax.xaxis
-    lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
-    fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
-    if lo > 0 and hi / lo < 12:  # within about a decade: evenly spaced round numbers read best
-        ax_.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
-        ax_.set_minor_locator(NullLocator())
-    ax_.set_major_formatter(fmt)
-    ax_.set_minor_formatter(NullFormatter())
+  """Plain-number tick labels on a log axis ("0.5", "2", "1e+03" rather than 5×10^-1); an
+  axis spanning less than about a decade gets evenly spaced round ticks instead of decades.
+  Call after the data (and limits) are in place."""
+  ax_ = ax.yaxis if axis == "y" else ax.xaxis
+  lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
+  fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
+  if lo > 0 and hi / lo < 12:  # within about a decade: evenly spaced round numbers read best
+    ax_.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    ax_.set_minor_locator(NullLocator())
+  ax_.set_major_formatter(fmt)
+  ax_.set_minor_formatter(NullFormatter())
 
 
 def _use_log(values: np.ndarray, ratio: float = 30.0) -> bool:
-    v = values[np.isfinite(values) & (values > 0)]
-    return bool(v.size) and v.max() / v.min() >= ratio
+  v = values[np.isfinite(values) & (values > 0)]
+  return bool(v.size) and v.max() / v.min() >= ratio
 
 
 # =========================================================================== seeds
 def _seed_groups(runs: pd.DataFrame) -> list[pd.DataFrame]:
-    """``runs`` split into groups that differ only in ``seed`` (all runs alone when no seed
-    varies); groups in first-seen order."""
-    if not _varying(runs, "seed"):
-        return [runs.iloc[[i]] for i in range(len(runs))]
-    ids = runs.attrs.get("id_columns") or [c for c in runs.columns if c in ("mixer", "depth", "width", "lr")]
-    cols = [c for c in ids if c in runs.columns and c not in ("run", "seed")]
-    return [g for _, g in stats.split(runs, cols)]
+  """``runs`` split into groups that differ only in ``seed`` (all runs alone when no seed
+  varies); groups in first-seen order."""
+  if not _varying(runs, "seed"):
+    return [runs.iloc[[i]] for i in range(len(runs))]
+  ids = runs.attrs.get("id_columns") or [
+    c for c in runs.columns if c in ("mixer", "depth", "width", "lr")
+  ]
+  cols = [c for c in ids if c in runs.columns and c not in ("run", "seed")]
+  return [g for _, g in stats.split(runs, cols)]
 
 
 def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[np.ndarray, ...]:
-    """(steps, mean, lo, hi) over replicate series: the mean (geometric mean when ``log``) and
-    the range (min, max) over seeds at each step. A range, not a confidence interval: a
-    per-step t interval over 2-3 noisy seeds is wider than the curves themselves (t = 12.7 for 2
-    seeds) and says nothing the summary intervals (groups.csv) do not. A step where any seed is
-    missing or non-finite (or <= 0 on a log axis) is NaN: the line and band stop rather than
-    average fewer seeds."""
-    steps = np.unique(np.concatenate([s for s, _ in series])) if series else np.zeros(0)
-    mat = np.full((len(series), steps.size), np.nan)
-    for i, (s, v) in enumerate(series):
-        idx = np.searchsorted(steps, s)
-        mat[i, idx] = v
-    ok = np.isfinite(mat) & ((mat > 0) if log else True)
-    vals = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
-    with np.errstate(invalid="ignore"):
-        mean = vals.mean(axis=0)
-        lo, hi = vals.min(axis=0), vals.max(axis=0)  # NaN where any seed is NaN
-    if log:
-        mean, lo, hi = np.exp(mean), np.exp(lo), np.exp(hi)
-    return steps, mean, lo, hi
+  """(steps, mean, lo, hi) over replicate series: the mean (geometric mean when ``log``) and
+  the range (min, max) over seeds at each step. A range, not a confidence interval: a
+  per-step t interval over 2-3 noisy seeds is wider than the curves themselves (t = 12.7 for 2
+  seeds) and says nothing the summary intervals (groups.csv) do not. A step where any seed is
+  missing or non-finite (or <= 0 on a log axis) is NaN: the line and band stop rather than
+  average fewer seeds."""
+  steps = np.unique(np.concatenate([s for s, _ in series])) if series else np.zeros(0)
+  mat = np.full((len(series), steps.size), np.nan)
+  for i, (s, v) in enumerate(series):
+    idx = np.searchsorted(steps, s)
+    mat[i, idx] = v
+  ok = np.isfinite(mat) & ((mat > 0) if log else True)
+  vals = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
+  with np.errstate(invalid="ignore"):
+    mean = vals.mean(axis=0)
+    lo, hi = vals.min(axis=0), vals.max(axis=0)  # NaN where any seed is NaN
+  if log:
+    mean, lo, hi = np.exp(mean), np.exp(lo), np.exp(hi)
+  return steps, mean, lo, hi
 
 
 # =========================================================================== curves
 def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log, dpi) -> str | None:
-    if metrics is None or not len(metrics) or col not in metrics.columns:
-        return None
-    runs = runs[runs["run"].isin(set(metrics["run"]))]
-    if not len(runs):
-        return None
-    series = {r: _series(metrics[metrics["run"] == r], col) for r in runs["run"]}
-    allv = np.concatenate([v for _, v in series.values()]) if series else np.zeros(0)
-    if not np.isfinite(allv).any():
-        return None
-    panel = _panel_col(runs)
-    styles = _style_cols(runs, panel)
-    colors = mixer_colors(_mixer_of(runs))
-    lrs = sorted(_num(runs["lr"]).dropna().unique()) if _varying(runs, "lr") else []
-    style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
-    pvals = sorted(runs[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v))) if panel else [None]
-    fig, axes = _grid(len(pvals))
-    log = log if log is not None else _use_log(allv)
-    any_spike = any_nonfinite = False
-    max_band = 0
-    for ax, pv in zip(axes, pvals):
-        sub = runs if panel is None else runs[runs[panel] == pv]
-        for members in _seed_groups(sub):
-            r = members.iloc[0]
-            c = colors[str(r["mixer"]) if "mixer" in r else "run"]
-            if lrs and pd.notna(_num(pd.Series([r["lr"]]))[0]):
-                c = _shade(c, lrs.index(_num(pd.Series([r["lr"]]))[0]), len(lrs))
-            ls = _STYLES[style_keys.index(tuple(str(r[s]) for s in styles)) % len(_STYLES)]
-            if len(members) > 1:  # replicate seeds: mean line and 95% band, markers per seed
-                steps, mid, lo, hi = _seed_band([series[n] for n in members["run"]], log)
-                ax.fill_between(steps, lo, hi, color=c, alpha=0.22, lw=0)
-                ax.plot(steps, mid, color=c, ls=ls, lw=1.6, alpha=0.95)
-                max_band = max(max_band, len(members))
-            for name in members["run"]:
-                steps, vals = series[name]
-                ok = np.isfinite(vals) & ((vals > 0) if log else True)
-                y = np.where(ok, vals, np.nan)  # gaps, never a line through a non-finite point
-                if len(members) == 1:
-                    ax.plot(steps, y, color=c, ls=ls, lw=1.4, alpha=0.95)
-                ev = events[(events["run"] == name) & (events["kind"] == spike_kind)] if len(events) else events
-                if len(ev):
-                    lookup = dict(zip(steps, y))
-                    pts = [(s, lookup.get(float(s), np.nan)) for s in ev["step"]]
-                    pts = [(s, v) for s, v in pts if np.isfinite(v)]
-                    if pts:
-                        xs, ys = zip(*pts)
-                        ax.plot(xs, ys, ls="none", marker="x", ms=8, mew=2.0, color=c, zorder=5)
-                        any_spike = True
-                bad = np.flatnonzero(~np.isfinite(vals))
-                if bad.size:
-                    tr = blended_transform_factory(ax.transData, ax.transAxes)
-                    ax.plot([steps[bad[0]]], [0.97], transform=tr, marker="v", ms=9, color=c, mec="black",
-                            mew=0.6, ls="none", clip_on=False, zorder=6)
-                    any_nonfinite = True
-        if log:
-            ax.set_yscale("log")
-        ax.set_title(_panel_title(panel, pv) if panel else title, fontsize=10)
-        ax.grid(True, which="major", alpha=0.3)
-    for ax in axes:
-        ax.set_xlabel("training step")
-        ax.set_ylabel(ylabel)
-        ax.label_outer()
-        if log:
-            _plain_log_ticks(ax)
-    handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
-    if lrs:
-        handles.append(Line2D([], [], ls="none", label="learning rate:"))
-        handles += [Line2D([], [], color=_shade("#333333", k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}")
-                    for k, lr in enumerate(lrs)]
-    if styles:
-        handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
-        handles += [Line2D([], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5,
-                           label="  " + ", ".join(k)) for i, k in enumerate(style_keys)]
-    if max_band:
-        handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
-    if any_spike:
-        handles.append(Line2D([], [], ls="none", marker="x", ms=8, mew=2, color="#333333",
-                              label=f"{spike_kind} event"))
-    if any_nonfinite:
-        handles.append(Line2D([], [], ls="none", marker="v", ms=9, color="#999999", mec="black",
-                              label="became NaN/inf"))
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False)
-    if panel:
-        fig.suptitle(title, fontsize=12)
-    return _save(fig, path, dpi)
+  if metrics is None or not len(metrics) or col not in metrics.columns:
+    return None
+  runs = runs[runs["run"].isin(set(metrics["run"]))]
+  if not len(runs):
+    return None
+  series = {r: _series(metrics[metrics["run"] == r], col) for r in runs["run"]}
+  allv = np.concatenate([v for _, v in series.values()]) if series else np.zeros(0)
+  if not np.isfinite(allv).any():
+    return None
+  panel = _panel_col(runs)
+  styles = _style_cols(runs, panel)
+  colors = mixer_colors(_mixer_of(runs))
+  lrs = sorted(_num(runs["lr"]).dropna().unique()) if _varying(runs, "lr") else []
+  style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
+  pvals = (
+    sorted(runs[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
+    if panel
+    else [None]
+  )
+  fig, axes = _grid(len(pvals))
+  log = log if log is not None else _use_log(allv)
+  any_spike = any_nonfinite = False
+  max_band = 0
+  for ax, pv in zip(axes, pvals):
+    sub = runs if panel is None else runs[runs[panel] == pv]
+    for members in _seed_groups(sub):
+      r = members.iloc[0]
+      c = colors[str(r["mixer"]) if "mixer" in r else "run"]
+      if lrs and pd.notna(_num(pd.Series([r["lr"]]))[0]):
+        c = _shade(c, lrs.index(_num(pd.Series([r["lr"]]))[0]), len(lrs))
+      ls = _STYLES[style_keys.index(tuple(str(r[s]) for s in styles)) % len(_STYLES)]
+      if len(members) > 1:  # replicate seeds: mean line and 95% band, markers per seed
+        steps, mid, lo, hi = _seed_band([series[n] for n in members["run"]], log)
+        ax.fill_between(steps, lo, hi, color=c, alpha=0.22, lw=0)
+        ax.plot(steps, mid, color=c, ls=ls, lw=1.6, alpha=0.95)
+        max_band = max(max_band, len(members))
+      for name in members["run"]:
+        steps, vals = series[name]
+        ok = np.isfinite(vals) & ((vals > 0) if log else True)
+        y = np.where(ok, vals, np.nan)  # gaps, never a line through a non-finite point
+        if len(members) == 1:
+          ax.plot(steps, y, color=c, ls=ls, lw=1.4, alpha=0.95)
+        ev = (
+          events[(events["run"] == name) & (events["kind"] == spike_kind)]
+          if len(events)
+          else events
+        )
+        if len(ev):
+          lookup = dict(zip(steps, y))
+          pts = [(s, lookup.get(float(s), np.nan)) for s in ev["step"]]
+          pts = [(s, v) for s, v in pts if np.isfinite(v)]
+          if pts:
+            xs, ys = zip(*pts)
+            ax.plot(xs, ys, ls="none", marker="x", ms=8, mew=2.0, color=c, zorder=5)
+            any_spike = True
+        bad = np.flatnonzero(~np.isfinite(vals))
+        if bad.size:
+          tr = blended_transform_factory(ax.transData, ax.transAxes)
+          ax.plot(
+            [steps[bad[0]]],
+            [0.97],
+            transform=tr,
+            marker="v",
+            ms=9,
+            color=c,
+            mec="black",
+            mew=0.6,
+            ls="none",
+            clip_on=False,
+            zorder=6,
+          )
+          any_nonfinite = True
+    if log:
+      ax.set_yscale("log")
+    ax.set_title(_panel_title(panel, pv) if panel else title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+  for ax in axes:
+    ax.set_xlabel("training step")
+    ax.set_ylabel(ylabel)
+    ax.label_outer()
+    if log:
+      _plain_log_ticks(ax)
+  handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
+  if lrs:
+    handles.append(Line2D([], [], ls="none", label="learning rate:"))
+    handles += [
+      Line2D([], [], color=_shade("#333333", k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}")
+      for k, lr in enumerate(lrs)
+    ]
+  if styles:
+    handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
+    handles += [
+      Line2D(
+        [], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5, label="  " + ", ".join(k)
+      )
+      for i, k in enumerate(style_keys)
+    ]
+  if max_band:
+    handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
+  if any_spike:
+    handles.append(
+      Line2D(
+        [], [], ls="none", marker="x", ms=8, mew=2, color="#333333", label=f"{spike_kind} event"
+      )
+    )
+  if any_nonfinite:
+    handles.append(
+      Line2D(
+        [], [], ls="none", marker="v", ms=9, color="#999999", mec="black", label="became NaN/inf"
+      )
+    )
+  fig.legend(
+    handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False
+  )
+  if panel:
+    fig.suptitle(title, fontsize=12)
+  return _save(fig, path, dpi)
 
 
-def loss_curves(metrics: pd.DataFrame, runs: pd.DataFrame, events: pd.DataFrame, path, *,
-                dpi: int = 110, log: bool | None = None) -> str | None:
-    """Training loss against step, one panel per depth (or width), spike/loss events as x's.
-    ``log=None``: log y when the finite losses span a factor of 30 or more."""
-    return _curves(metrics, runs, events, path, col="loss", spike_kind="spike/loss",
-                   ylabel="training loss (nats / token)", title="Training loss", log=log, dpi=dpi)
+def loss_curves(
+  metrics: pd.DataFrame,
+  runs: pd.DataFrame,
+  events: pd.DataFrame,
+  path,
+  *,
+  dpi: int = 110,
+  log: bool | None = None,
+) -> str | None:
+  """Training loss against step, one panel per depth (or width), spike/loss events as x's.
+  ``log=None``: log y when the finite losses span a factor of 30 or more."""
+  return _curves(
+    metrics,
+    runs,
+    events,
+    path,
+    col="loss",
+    spike_kind="spike/loss",
+    ylabel="training loss (nats / token)",
+    title="Training loss",
+    log=log,
+    dpi=dpi,
+  )
 
 
-def grad_norm_curves(metrics: pd.DataFrame, runs: pd.DataFrame, events: pd.DataFrame, path, *,
-                     dpi: int = 110) -> str | None:
-    """Gradient norm (before clipping) against step, log y, spike/grad events as x's."""
-    return _curves(metrics, runs, events, path, col="grad_norm", spike_kind="spike/grad",
-                   ylabel="gradient norm (L2, before clipping)", title="Gradient norm", log=True, dpi=dpi)
+def grad_norm_curves(
+  metrics: pd.DataFrame, runs: pd.DataFrame, events: pd.DataFrame, path, *, dpi: int = 110
+) -> str | None:
+  """Gradient norm (before clipping) against step, log y, spike/grad events as x's."""
+  return _curves(
+    metrics,
+    runs,
+    events,
+    path,
+    col="grad_norm",
+    spike_kind="spike/grad",
+    ylabel="gradient norm (L2, before clipping)",
+    title="Gradient norm",
+    log=True,
+    dpi=dpi,
+  )
 
 
 # =========================================================================== per-layer
 def _layer_matrix(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps [S], values [layers, S]) of a list-valued column, NaN-padded."""
-    if col not in df.columns:
-        return np.zeros(0), np.zeros((0, 0))
-    d = df[df[col].map(lambda v: isinstance(v, list) and len(v) > 0)]
-    if not len(d):
-        return np.zeros(0), np.zeros((0, 0))
-    lists = [np.asarray([np.nan if x is None else x for x in v], dtype=np.float64) for v in d[col]]
-    nl = max(len(x) for x in lists)
-    mat = np.full((nl, len(lists)), np.nan)
-    for j, x in enumerate(lists):
-        mat[: len(x), j] = x
-    return d["step"].to_numpy(dtype=np.float64), mat
+  """(steps [S], values [layers, S]) of a list-valued column, NaN-padded."""
+  if col not in df.columns:
+    return np.zeros(0), np.zeros((0, 0))
+  d = df[df[col].map(lambda v: isinstance(v, list) and len(v) > 0)]
+  if not len(d):
+    return np.zeros(0), np.zeros((0, 0))
+  lists = [np.asarray([np.nan if x is None else x for x in v], dtype=np.float64) for v in d[col]]
+  nl = max(len(x) for x in lists)
+  mat = np.full((nl, len(lists)), np.nan)
+  for j, x in enumerate(lists):
+    mat[: len(x), j] = x
+  return d["step"].to_numpy(dtype=np.float64), mat
 
 
-def composite_gain_vs_depth(metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110) -> str | None:
-    """Whole-depth composite Amax gain (fwd and bwd) at the end of training against depth,
-    one line per mixer (median over the other axes with min-max bars, or the geometric mean
-    with a 95% band where only the seed varies), log y. Solid: token-averaged composite
-    (``amax_*_composite``); dashed, where logged: per-token composite, token mean
-    (``amax_*_composite_tok_mean``)."""
-    if metrics is None or not len(metrics):
-        return None
-    rows = []
-    for name, df in metrics.groupby("run", sort=False):
-        rr = runs[runs["run"] == name]
-        mixer = str(rr["mixer"].iloc[0]) if "mixer" in rr.columns and len(rr) else "run"
-        for d, kind in (("fwd", "avg"), ("bwd", "avg"), ("fwd", "tok"), ("bwd", "tok")):
-            # the last layer's (whole-depth) value at the last step where it is finite
-            steps, mat = _layer_matrix(df, f"amax_{d}_composite" + ("_tok_mean" if kind == "tok" else ""))
-            if not steps.size:
-                continue
-            whole = mat[-1]
-            ok = np.flatnonzero(np.isfinite(whole) & (whole > 0))
-            if not ok.size:
-                continue
-            depth = _num(rr["depth"]).iloc[0] if "depth" in rr.columns and len(rr) else np.nan
-            if not np.isfinite(depth):
-                depth = mat.shape[0] / 2
-            rows.append({"mixer": mixer, "dir": d, "kind": kind, "depth": float(depth),
-                         "value": float(whole[ok[-1]]), "run": name})
-    if not rows:
-        return None
-    data = pd.DataFrame(rows)
-    colors = mixer_colors(data["mixer"])
-    # a band over seeds where every (mixer, depth) point's runs differ only in the seed
-    groups = _seed_groups(runs[runs["run"].isin(set(data["run"]))]) if _varying(runs, "seed") else []
-    keys = [(str(_mixer_of(g).iloc[0]), str(g["depth"].iloc[0]) if "depth" in g.columns else "") for g in groups]
-    banded = len(set(keys)) == len(keys) and any(len(g) > 1 for g in groups)
-    same_cell = data.groupby(["mixer", "dir", "kind", "depth"])["run"].nunique()
-    kinds = [k for k in ("avg", "tok") if (data["kind"] == k).any()]
-    fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), sharey=True)
-    fig.subplots_adjust(left=0.1, right=0.98, bottom=0.14, top=0.84, wspace=0.06)
-    for ax, d, name in zip(axes, ("fwd", "bwd"), ("forward (max |row sum|)", "backward (max |column sum|)")):
-        ax.axhline(1.0, color="#888888", ls=":", lw=1)
-        for i, (kind, m) in enumerate((k, m) for k in kinds for m in colors):
-            # earlier mixers bigger and below: coinciding lines stay visible
-            g = data[(data["mixer"] == m) & (data["dir"] == d) & (data["kind"] == kind)].groupby("depth")["value"]
-            if not len(g):
-                continue
-            j = i % len(colors)
-            style = dict(color=colors[m], marker="o" if kind == "avg" else "s", ms=max(4.0, 10 - 1.5 * j),
-                         lw=max(1.2, 3.5 - 0.6 * j), ls="-" if kind == "avg" else "--",
-                         zorder=2 + j + (0.5 if kind == "tok" else 0))
-            if banded:
-                band = g.apply(lambda v: _log_ci(v.to_numpy(dtype=float)))
-                x = band.index.to_numpy()
-                mid, lo, hi = (np.array([b[k] for b in band]) for k in range(3))
-                ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0, zorder=1)
-                ax.plot(x, mid, **style)
-                continue
-            med, lo, hi = g.median(), g.min(), g.max()
-            x = med.index.to_numpy()
-            ax.errorbar(x, med.to_numpy(), yerr=[med - lo, hi - med], capsize=4, **style)
-        ax.set_yscale("log")
-        ax.set_xlabel("depth L (blocks; 2L mixer layers)")
-        ax.set_title(f"{name}", fontsize=10)
-        ax.grid(True, which="both", alpha=0.25)
-        depths = sorted(data["depth"].unique())
-        if len(depths) > 1 and depths[0] > 0 and depths[-1] / depths[0] >= 4:
-            ax.set_xscale("log", base=2)  # depth ladders usually double
-            ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xticks(depths)
-        ax.set_xticklabels([_fmt(v) for v in depths])
-        if len(depths) == 1:
-            ax.set_xlim(depths[0] - 1, depths[0] + 1)
-    axes[0].set_ylabel("composite Amax gain of ∏ H_res\n(whole depth, end of training)")
-    for ax in axes:
-        _plain_log_ticks(ax)
-    handles = [Line2D([], [], color=colors[m], marker="o", lw=2, label=m) for m in colors if m in set(data["mixer"])]
-    if "tok" in kinds:
-        handles.append(Line2D([], [], color="#333333", marker="o", lw=1.5, label="token-averaged"))
-        handles.append(Line2D([], [], color="#333333", marker="s", ls="--", lw=1.5, label="per-token (token mean)"))
-    handles.append(Line2D([], [], color="#888888", ls=":", label="gain 1"))
-    if banded:
-        n = int(same_cell.max())
-        handles.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {n})"))
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.84), fontsize=9, frameon=False)
-    fig.suptitle("Composite Amax gain against depth (end of training)", fontsize=12)
-    return _save(fig, path, dpi)
+def composite_gain_vs_depth(
+  metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110
+) -> str | None:
+  """Whole-depth composite Amax gain (fwd and bwd) at the end of training against depth,
+  one line per mixer (median over the other axes with min-max bars, or the geometric mean
+  with a 95% band where only the seed varies), log y. Solid: token-averaged composite
+  (``amax_*_composite``); dashed, where logged: per-token composite, token mean
+  (``amax_*_composite_tok_mean``)."""
+  if metrics is None or not len(metrics):
+    return None
+  rows = []
+  for name, df in metrics.groupby("run", sort=False):
+    rr = runs[runs["run"] == name]
+    mixer = str(rr["mixer"].iloc[0]) if "mixer" in rr.columns and len(rr) else "run"
+    for d, kind in (("fwd", "avg"), ("bwd", "avg"), ("fwd", "tok"), ("bwd", "tok")):
+      # the last layer's (whole-depth) value at the last step where it is finite
+      steps, mat = _layer_matrix(df, f"amax_{d}_composite" + ("_tok_mean" if kind == "tok" else ""))
+      if not steps.size:
+        continue
+      whole = mat[-1]
+      ok = np.flatnonzero(np.isfinite(whole) & (whole > 0))
+      if not ok.size:
+        continue
+      depth = _num(rr["depth"]).iloc[0] if "depth" in rr.columns and len(rr) else np.nan
+      if not np.isfinite(depth):
+        depth = mat.shape[0] / 2
+      rows.append(
+        {
+          "mixer": mixer,
+          "dir": d,
+          "kind": kind,
+          "depth": float(depth),
+          "value": float(whole[ok[-1]]),
+          "run": name,
+        }
+      )
+  if not rows:
+    return None
+  data = pd.DataFrame(rows)
+  colors = mixer_colors(data["mixer"])
+  # a band over seeds where every (mixer, depth) point's runs differ only in the seed
+  groups = _seed_groups(runs[runs["run"].isin(set(data["run"]))]) if _varying(runs, "seed") else []
+  keys = [
+    (str(_mixer_of(g).iloc[0]), str(g["depth"].iloc[0]) if "depth" in g.columns else "")
+    for g in groups
+  ]
+  banded = len(set(keys)) == len(keys) and any(len(g) > 1 for g in groups)
+  same_cell = data.groupby(["mixer", "dir", "kind", "depth"])["run"].nunique()
+  kinds = [k for k in ("avg", "tok") if (data["kind"] == k).any()]
+  fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), sharey=True)
+  fig.subplots_adjust(left=0.1, right=0.98, bottom=0.14, top=0.84, wspace=0.06)
+  for ax, d, name in zip(
+    axes, ("fwd", "bwd"), ("forward (max |row sum|)", "backward (max |column sum|)")
+  ):
+    ax.axhline(1.0, color="#888888", ls=":", lw=1)
+    for i, (kind, m) in enumerate((k, m) for k in kinds for m in colors):
+      # earlier mixers bigger and below: coinciding lines stay visible
+      g = data[(data["mixer"] == m) & (data["dir"] == d) & (data["kind"] == kind)].groupby("depth")[
+        "value"
+      ]
+      if not len(g):
+        continue
+      j = i % len(colors)
+      style = dict(
+        color=colors[m],
+        marker="o" if kind == "avg" else "s",
+        ms=max(4.0, 10 - 1.5 * j),
+        lw=max(1.2, 3.5 - 0.6 * j),
+        ls="-" if kind == "avg" else "--",
+        zorder=2 + j + (0.5 if kind == "tok" else 0),
+      )
+      if banded:
+        band = g.apply(lambda v: _log_ci(v.to_numpy(dtype=float)))
+        x = band.index.to_numpy()
+        mid, lo, hi = (np.array([b[k] for b in band]) for k in range(3))
+        ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0, zorder=1)
+        ax.plot(x, mid, **style)
+        continue
+      med, lo, hi = g.median(), g.min(), g.max()
+      x = med.index.to_numpy()
+      ax.errorbar(x, med.to_numpy(), yerr=[med - lo, hi - med], capsize=4, **style)
+    ax.set_yscale("log")
+    ax.set_xlabel("depth L (blocks; 2L mixer layers)")
+    ax.set_title(f"{name}", fontsize=10)
+    ax.grid(True, which="both", alpha=0.25)
+    depths = sorted(data["depth"].unique())
+    if len(depths) > 1 and depths[0] > 0 and depths[-1] / depths[0] >= 4:
+      ax.set_xscale("log", base=2)  # depth ladders usually double
+      ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks(depths)
+    ax.set_xticklabels([_fmt(v) for v in depths])
+    if len(depths) == 1:
+      ax.set_xlim(depths[0] - 1, depths[0] + 1)
+  axes[0].set_ylabel("composite Amax gain of ∏ H_res\n(whole depth, end of training)")
+  for ax in axes:
+    _plain_log_ticks(ax)
+  handles = [
+    Line2D([], [], color=colors[m], marker="o", lw=2, label=m)
+    for m in colors
+    if m in set(data["mixer"])
+  ]
+  if "tok" in kinds:
+    handles.append(Line2D([], [], color="#333333", marker="o", lw=1.5, label="token-averaged"))
+    handles.append(
+      Line2D([], [], color="#333333", marker="s", ls="--", lw=1.5, label="per-token (token mean)")
+    )
+  handles.append(Line2D([], [], color="#888888", ls=":", label="gain 1"))
+  if banded:
+    n = int(same_cell.max())
+    handles.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {n})"))
+  fig.legend(
+    handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.84), fontsize=9, frameon=False
+  )
+  fig.suptitle("Composite Amax gain against depth (end of training)", fontsize=12)
+  return _save(fig, path, dpi)
 
 
 def _log_ci(values: np.ndarray) -> tuple[float, float, float]:
-    """(geometric mean, lo, hi) of positive values: the Student t interval of their logs, exp'd."""
-    v = values[np.isfinite(values) & (values > 0)]
-    if v.size == 0:
-        return math.nan, math.nan, math.nan
-    mean, lo, hi, n = stats.mean_ci(np.log(v))
-    if n < 2:
-        lo = hi = mean
-    return math.exp(mean), math.exp(lo), math.exp(hi)
+  """(geometric mean, lo, hi) of positive values: the Student t interval of their logs, exp'd."""
+  v = values[np.isfinite(values) & (values > 0)]
+  if v.size == 0:
+    return math.nan, math.nan, math.nan
+  mean, lo, hi, n = stats.mean_ci(np.log(v))
+  if n < 2:
+    lo = hi = mean
+  return math.exp(mean), math.exp(lo), math.exp(hi)
 
 
 def pick_heatmap_runs(metrics: pd.DataFrame, runs: pd.DataFrame, max_runs: int = 6) -> list[str]:
-    """Runs for :func:`layer_heatmap`: for each mixer the deepest run with per-layer
-    diagnostics (ties: largest ``amax_fwd_composite_max_all_layers``, then name); at most
-    ``max_runs`` in all, mixers in the usual order."""
-    if metrics is None or not len(metrics) or max_runs <= 0:
-        return []
-    have = set()
-    for col in ("gain_fwd", "amax_fwd_composite"):
-        if col in metrics.columns:
-            have |= set(metrics.loc[metrics[col].map(lambda v: isinstance(v, list) and len(v) > 0), "run"])
-    cand = runs[runs["run"].isin(have)].copy()
-    if not len(cand):
-        return []
-    cand["_mixer"] = _mixer_of(cand)
-    cand["_depth"] = _num(cand["depth"]).fillna(-1) if "depth" in cand.columns else -1
-    peak = cand.get("amax_fwd_composite_max_all_layers", pd.Series(np.nan, index=cand.index))
-    cand["_peak"] = _num(peak).replace(np.nan, -np.inf)
-    out = []
-    for m in _order(cand["_mixer"]):
-        g = cand[cand["_mixer"] == m].sort_values(["_depth", "_peak", "run"], ascending=[False, False, True])
-        out.append(str(g["run"].iloc[0]))
-    return out[:max_runs]
+  """Runs for :func:`layer_heatmap`: for each mixer the deepest run with per-layer
+  diagnostics (ties: largest ``amax_fwd_composite_max_all_layers``, then name); at most
+  ``max_runs`` in all, mixers in the usual order."""
+  if metrics is None or not len(metrics) or max_runs <= 0:
+    return []
+  have = set()
+  for col in ("gain_fwd", "amax_fwd_composite"):
+    if col in metrics.columns:
+      have |= set(
+        metrics.loc[metrics[col].map(lambda v: isinstance(v, list) and len(v) > 0), "run"]
+      )
+  cand = runs[runs["run"].isin(have)].copy()
+  if not len(cand):
+    return []
+  cand["_mixer"] = _mixer_of(cand)
+  cand["_depth"] = _num(cand["depth"]).fillna(-1) if "depth" in cand.columns else -1
+  peak = cand.get("amax_fwd_composite_max_all_layers", pd.Series(np.nan, index=cand.index))
+  cand["_peak"] = _num(peak).replace(np.nan, -np.inf)
+  out = []
+  for m in _order(cand["_mixer"]):
+    g = cand[cand["_mixer"] == m].sort_values(
+      ["_depth", "_peak", "run"], ascending=[False, False, True]
+    )
+    out.append(str(g["run"].iloc[0]))
+  return out[:max_runs]
 
 
 def _layer_labels(nl: int) -> list[str]:
-    return [f"{'attn' if i % 2 == 0 else 'mlp'} {i // 2}" for i in range(nl)]
+  return [f"{'attn' if i % 2 == 0 else 'mlp'} {i // 2}" for i in range(nl)]
 
 
 def _centred_norm(mat: np.ndarray) -> LogNorm:
-    v = mat[np.isfinite(mat) & (mat > 0)]
-    r = float(np.max(np.abs(np.log(v)))) if v.size else 0.0
-    r = max(r, math.log(1.05))
-    return LogNorm(vmin=math.exp(-r), vmax=math.exp(r))
+  v = mat[np.isfinite(mat) & (mat > 0)]
+  r = float(np.max(np.abs(np.log(v)))) if v.size else 0.0
+  r = max(r, math.log(1.05))
+  return LogNorm(vmin=math.exp(-r), vmax=math.exp(r))
 
 
-def layer_heatmap(metrics_run: pd.DataFrame, run: pd.Series | dict, path, *, dpi: int = 110,
-                  cols: Sequence[str] = ("gain_fwd", "amax_fwd_composite")) -> str | None:
-    """Heatmaps of per-layer metrics of one run over training (x = step, y = mixer layer),
-    one panel per metric in ``cols`` that was logged; log colour scale centred on 1."""
-    mats = [(c, *_layer_matrix(metrics_run, c)) for c in cols]
-    mats = [(c, s, m) for c, s, m in mats if s.size and np.isfinite(m).any()]
-    if not mats:
-        return None
-    nl = max(m.shape[0] for _, _, m in mats)
-    height = 2.6 + min(nl, 48) * 0.13
-    fig, axes = plt.subplots(1, len(mats), figsize=(6.0 * len(mats), height), squeeze=False)
-    fig.subplots_adjust(left=0.08, right=0.98, bottom=0.9 / height, top=1 - 0.55 / height, wspace=0.25)
-    cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#bbbbbb")
-    names = {"gain_fwd": "gain_fwd: RMS(out) / RMS(in)", "amax_fwd_composite": "amax_fwd_composite of ∏ H_res",
-             "amax_bwd_composite": "amax_bwd_composite of ∏ H_res"}
-    for ax, (c, steps, mat) in zip(axes[0], mats):
-        if steps.size > 1:
-            mid = (steps[1:] + steps[:-1]) / 2
-            edges = np.concatenate([[steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]])
-        else:
-            edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
-        data = np.ma.masked_where(~(np.isfinite(mat) & (mat > 0)), mat)
-        im = ax.pcolormesh(edges, np.arange(mat.shape[0] + 1) - 0.5, data, cmap=cmap, norm=_centred_norm(mat),
-                           shading="flat")
-        ax.set_facecolor("#bbbbbb")
-        fin = mat[np.isfinite(mat)]
-        if fin.size and np.ptp(fin) <= 1e-9 * max(1.0, abs(fin[0])):
-            ax.text(0.5, 0.5, f"constant {fin[0]:.4g} at every layer and step", transform=ax.transAxes,
-                    ha="center", va="center", fontsize=10, color="#333333",
-                    bbox=dict(boxstyle="round", fc="white", ec="#999999"))
-        cb = fig.colorbar(im, ax=ax, pad=0.02)
-        norm = im.norm
-        cb.set_ticks(np.geomspace(norm.vmin, norm.vmax, 5), labels=[f"{t:.3g}" for t in
-                                                                     np.geomspace(norm.vmin, norm.vmax, 5)])
-        cb.ax.minorticks_off()
-        cb.set_label(c + " (log scale)", fontsize=9)
-        labels = _layer_labels(mat.shape[0])
-        every = max(1, math.ceil(mat.shape[0] / 16))
-        ticks = list(range(0, mat.shape[0], every))
-        ax.set_yticks(ticks)
-        ax.set_yticklabels([labels[i] for i in ticks], fontsize=8)
-        ax.set_ylabel("mixer layer")
-        ax.set_xlabel("training step")
-        ax.set_title(names.get(c, c), fontsize=10)
-    run = dict(run)
-    parts = [f"{k}={_fmt(run[k])}" for k in ("mixer", "depth", "width", "lr", "seed")
-             if k in run and run[k] is not None and not (isinstance(run[k], float) and math.isnan(run[k]))]
-    fig.suptitle(f"{run.get('run', '')}   ({', '.join(parts)})", fontsize=11)
-    return _save(fig, path, dpi)
+def layer_heatmap(
+  metrics_run: pd.DataFrame,
+  run: pd.Series | dict,
+  path,
+  *,
+  dpi: int = 110,
+  cols: Sequence[str] = ("gain_fwd", "amax_fwd_composite"),
+) -> str | None:
+  """Heatmaps of per-layer metrics of one run over training (x = step, y = mixer layer),
+  one panel per metric in ``cols`` that was logged; log colour scale centred on 1."""
+  mats = [(c, *_layer_matrix(metrics_run, c)) for c in cols]
+  mats = [(c, s, m) for c, s, m in mats if s.size and np.isfinite(m).any()]
+  if not mats:
+    return None
+  nl = max(m.shape[0] for _, _, m in mats)
+  height = 2.6 + min(nl, 48) * 0.13
+  fig, axes = plt.subplots(1, len(mats), figsize=(6.0 * len(mats), height), squeeze=False)
+  fig.subplots_adjust(
+    left=0.08, right=0.98, bottom=0.9 / height, top=1 - 0.55 / height, wspace=0.25
+  )
+  cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#bbbbbb")
+  names = {
+    "gain_fwd": "gain_fwd: RMS(out) / RMS(in)",
+    "amax_fwd_composite": "amax_fwd_composite of ∏ H_res",
+    "amax_bwd_composite": "amax_bwd_composite of ∏ H_res",
+  }
+  for ax, (c, steps, mat) in zip(axes[0], mats):
+    if steps.size > 1:
+      mid = (steps[1:] + steps[:-1]) / 2
+      edges = np.concatenate(
+        [[steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]]
+      )
+    else:
+      edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
+    data = np.ma.masked_where(~(np.isfinite(mat) & (mat > 0)), mat)
+    im = ax.pcolormesh(
+      edges,
+      np.arange(mat.shape[0] + 1) - 0.5,
+      data,
+      cmap=cmap,
+      norm=_centred_norm(mat),
+      shading="flat",
+    )
+    ax.set_facecolor("#bbbbbb")
+    fin = mat[np.isfinite(mat)]
+    if fin.size and np.ptp(fin) <= 1e-9 * max(1.0, abs(fin[0])):
+      ax.text(
+        0.5,
+        0.5,
+        f"constant {fin[0]:.4g} at every layer and step",
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        fontsize=10,
+        color="#333333",
+        bbox=dict(boxstyle="round", fc="white", ec="#999999"),
+      )
+    cb = fig.colorbar(im, ax=ax, pad=0.02)
+    norm = im.norm
+    cb.set_ticks(
+      np.geomspace(norm.vmin, norm.vmax, 5),
+      labels=[f"{t:.3g}" for t in np.geomspace(norm.vmin, norm.vmax, 5)],
+    )
+    cb.ax.minorticks_off()
+    cb.set_label(c + " (log scale)", fontsize=9)
+    labels = _layer_labels(mat.shape[0])
+    every = max(1, math.ceil(mat.shape[0] / 16))
+    ticks = list(range(0, mat.shape[0], every))
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([labels[i] for i in ticks], fontsize=8)
+    ax.set_ylabel("mixer layer")
+    ax.set_xlabel("training step")
+    ax.set_title(names.get(c, c), fontsize=10)
+  run = dict(run)
+  parts = [
+    f"{k}={_fmt(run[k])}"
+    for k in ("mixer", "depth", "width", "lr", "seed")
+    if k in run and run[k] is not None and not (isinstance(run[k], float) and math.isnan(run[k]))
+  ]
+  fig.suptitle(f"{run.get('run', '')}   ({', '.join(parts)})", fontsize=11)
+  return _save(fig, path, dpi)
 
 
 # =========================================================================== lr
-def lr_sensitivity_curves(runs: pd.DataFrame, lr_table: pd.DataFrame, path, *, dpi: int = 110) -> str | None:
-    """Final loss against learning rate (log x), one line per group of runs that differ only in
-    lr (colour = mixer), diverged runs as X at the initial loss, LRS in the legend. Where the
-    groups also differ in the seed, one line per group of seeds: the mean over seeds with a 95%
-    Student t band, an X where any seed diverged, and the LRS as mean [95% CI] over seeds."""
-    if not len(lr_table) or "lr" not in runs.columns:
-        return None
-    group_cols = lr_table.attrs.get("group_columns") or [c for c in lr_table.columns if c not in
-                                                         ("n_lr", "lrs", "best_lr", "best_final_loss", "loss_init",
-                                                          "n_diverged", "lr_sensitivity")]
-    d = runs[runs["steps"] > 0].copy()
-    d["_lr"] = _num(d["lr"])
-    d = d[d["_lr"].notna()]
-    if not len(d):
-        return None
-    panel = _panel_col(d)
-    styles = _style_cols(runs, panel)
-    style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in d.iterrows()})
-    seeds = _varying(d, "seed")
-    colors = mixer_colors(_mixer_of(runs))
-    pvals = sorted(d[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v))) if panel else [None]
-    fig, axes = _grid(len(pvals), w=4.6, h=3.4)
-    allv = np.concatenate([d["final_loss"].to_numpy(dtype=float), lr_table["loss_init"].to_numpy(dtype=float)])
-    log = _use_log(allv)
-    banded = 0
-    for ax, pv in zip(axes, pvals):
-        sub = d if panel is None else d[d[panel] == pv]
-        inits = []
-        unit_cols = [c for c in group_cols if not (seeds and c == "seed")]
-        for _, rows in stats.split(lr_table, unit_cols):  # with seeds: all seeds of a group at once
-            row = rows.iloc[0]
-            mask = np.ones(len(sub), dtype=bool)
-            for c in unit_cols:
-                mask &= (sub[c].astype(str) == str(row[c])).to_numpy()
-            g = sub[mask]
-            if not len(g):
-                continue
-            # per lr: mean over the runs (seeds) and, with several, the 95% interval; NaN if any diverged
-            per = g.groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist())).sort_index()
-            mean = pd.Series([t[0] for t in per], index=per.index)
-            init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
-            inits.append(init)
-            m = str(row["mixer"]) if "mixer" in row else "run"
-            key = tuple(str(row[c]) for c in styles)
-            ls = _STYLES[style_keys.index(key) % len(_STYLES)] if key in style_keys else "-"
-            ok = np.isfinite(mean.to_numpy())
-            label = m + "".join(f", {c}={row[c]}" for c in styles)
-            sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
-            if n > 1 and np.isfinite(s_lo):
-                label += f"  (LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds)"
-            elif np.isfinite(sens):
-                label += f"  (LRS {sens:.3g})"
-            x = mean.index.to_numpy()[ok]
-            ax.plot(x, mean.to_numpy()[ok], color=colors[m], ls=ls, marker="o", ms=5, lw=1.8, label=label)
-            if n > 1:
-                lo = np.array([t[1] for t in per])[ok]
-                hi = np.array([t[2] for t in per])[ok]
-                ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0)
-                banded = max(banded, n)
-            div = mean[~ok]
-            if len(div) and np.isfinite(init):
-                ax.plot(div.index, [init] * len(div), ls="none", marker="X", ms=10, color=colors[m],
-                        mec="black", mew=0.8, zorder=5)
-        if inits and np.isfinite(np.nanmedian(inits)):
-            ax.axhline(float(np.nanmedian(inits)), color="#888888", ls=":", lw=1)
-        ax.set_xscale("log")
-        if log:
-            ax.set_yscale("log")
-            _plain_log_ticks(ax)
-        grid = sorted(d["_lr"].unique())
-        ax.set_xticks(grid, labels=[f"{v:g}" for v in grid])
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        if len(grid) > 5:
-            ax.tick_params(axis="x", labelrotation=45)
-        ax.set_title(_panel_title(panel, pv) if panel else "Final loss against learning rate", fontsize=10)
-        ax.grid(True, which="major", alpha=0.3)
-        ax.set_xlabel("peak learning rate")
-        if ax.get_subplotspec().is_first_col():
-            ax.set_ylabel("final loss (nats / token)")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, frameon=False, ncol=1)
-    extra = [Line2D([], [], ls="none", marker="X", ms=9, color="#999999", mec="black",
-                    label="final loss NaN/inf (drawn at the initial loss)"
-                    + ("; with seeds: any seed" if banded else "")),
-             Line2D([], [], color="#888888", ls=":", label="initial loss")]
-    if banded:
-        extra.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {banded})"))
-    fig.legend(handles=extra, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False)
-    if panel:
-        fig.suptitle("Final loss against learning rate", fontsize=12)
-    return _save(fig, path, dpi)
+def lr_sensitivity_curves(
+  runs: pd.DataFrame, lr_table: pd.DataFrame, path, *, dpi: int = 110
+) -> str | None:
+  """Final loss against learning rate (log x), one line per group of runs that differ only in
+  lr (colour = mixer), diverged runs as X at the initial loss, LRS in the legend. Where the
+  groups also differ in the seed, one line per group of seeds: the mean over seeds with a 95%
+  Student t band, an X where any seed diverged, and the LRS as mean [95% CI] over seeds."""
+  if not len(lr_table) or "lr" not in runs.columns:
+    return None
+  group_cols = lr_table.attrs.get("group_columns") or [
+    c
+    for c in lr_table.columns
+    if c
+    not in (
+      "n_lr",
+      "lrs",
+      "best_lr",
+      "best_final_loss",
+      "loss_init",
+      "n_diverged",
+      "lr_sensitivity",
+    )
+  ]
+  d = runs[runs["steps"] > 0].copy()
+  d["_lr"] = _num(d["lr"])
+  d = d[d["_lr"].notna()]
+  if not len(d):
+    return None
+  panel = _panel_col(d)
+  styles = _style_cols(runs, panel)
+  style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in d.iterrows()})
+  seeds = _varying(d, "seed")
+  colors = mixer_colors(_mixer_of(runs))
+  pvals = (
+    sorted(d[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
+    if panel
+    else [None]
+  )
+  fig, axes = _grid(len(pvals), w=4.6, h=3.4)
+  allv = np.concatenate(
+    [d["final_loss"].to_numpy(dtype=float), lr_table["loss_init"].to_numpy(dtype=float)]
+  )
+  log = _use_log(allv)
+  banded = 0
+  for ax, pv in zip(axes, pvals):
+    sub = d if panel is None else d[d[panel] == pv]
+    inits = []
+    unit_cols = [c for c in group_cols if not (seeds and c == "seed")]
+    for _, rows in stats.split(lr_table, unit_cols):  # with seeds: all seeds of a group at once
+      row = rows.iloc[0]
+      mask = np.ones(len(sub), dtype=bool)
+      for c in unit_cols:
+        mask &= (sub[c].astype(str) == str(row[c])).to_numpy()
+      g = sub[mask]
+      if not len(g):
+        continue
+      # per lr: mean over the runs (seeds) and, with several, the 95% interval; NaN if any diverged
+      per = g.groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist())).sort_index()
+      mean = pd.Series([t[0] for t in per], index=per.index)
+      init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
+      inits.append(init)
+      m = str(row["mixer"]) if "mixer" in row else "run"
+      key = tuple(str(row[c]) for c in styles)
+      ls = _STYLES[style_keys.index(key) % len(_STYLES)] if key in style_keys else "-"
+      ok = np.isfinite(mean.to_numpy())
+      label = m + "".join(f", {c}={row[c]}" for c in styles)
+      sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
+      if n > 1 and np.isfinite(s_lo):
+        label += f"  (LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds)"
+      elif np.isfinite(sens):
+        label += f"  (LRS {sens:.3g})"
+      x = mean.index.to_numpy()[ok]
+      ax.plot(x, mean.to_numpy()[ok], color=colors[m], ls=ls, marker="o", ms=5, lw=1.8, label=label)
+      if n > 1:
+        lo = np.array([t[1] for t in per])[ok]
+        hi = np.array([t[2] for t in per])[ok]
+        ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0)
+        banded = max(banded, n)
+      div = mean[~ok]
+      if len(div) and np.isfinite(init):
+        ax.plot(
+          div.index,
+          [init] * len(div),
+          ls="none",
+          marker="X",
+          ms=10,
+          color=colors[m],
+          mec="black",
+          mew=0.8,
+          zorder=5,
+        )
+    if inits and np.isfinite(np.nanmedian(inits)):
+      ax.axhline(float(np.nanmedian(inits)), color="#888888", ls=":", lw=1)
+    ax.set_xscale("log")
+    if log:
+      ax.set_yscale("log")
+      _plain_log_ticks(ax)
+    grid = sorted(d["_lr"].unique())
+    ax.set_xticks(grid, labels=[f"{v:g}" for v in grid])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    if len(grid) > 5:
+      ax.tick_params(axis="x", labelrotation=45)
+    ax.set_title(
+      _panel_title(panel, pv) if panel else "Final loss against learning rate", fontsize=10
+    )
+    ax.grid(True, which="major", alpha=0.3)
+    ax.set_xlabel("peak learning rate")
+    if ax.get_subplotspec().is_first_col():
+      ax.set_ylabel("final loss (nats / token)")
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, frameon=False, ncol=1)
+  extra = [
+    Line2D(
+      [],
+      [],
+      ls="none",
+      marker="X",
+      ms=9,
+      color="#999999",
+      mec="black",
+      label="final loss NaN/inf (drawn at the initial loss)"
+      + ("; with seeds: any seed" if banded else ""),
+    ),
+    Line2D([], [], color="#888888", ls=":", label="initial loss"),
+  ]
+  if banded:
+    extra.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {banded})"))
+  fig.legend(handles=extra, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False)
+  if panel:
+    fig.suptitle("Final loss against learning rate", fontsize=12)
+  return _save(fig, path, dpi)

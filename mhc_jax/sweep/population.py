@@ -23,6 +23,7 @@ population resumes from the newest checkpoint step all members have.
 Compiled programs are cached per (shared config, population size, batch layout): populations
 of the same shapes (another lr grid, other seeds) reuse them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -45,12 +46,20 @@ from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import State, abstract_state, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
 
-__all__ = ["POPULATION_KEYS", "shared_key", "check_members", "Programs", "programs",
-           "PopulationProgram", "train_population"]
+__all__ = [
+  "POPULATION_KEYS",
+  "shared_key",
+  "check_members",
+  "Programs",
+  "programs",
+  "PopulationProgram",
+  "train_population",
+]
 
 
 # ------------------------------------------------------------------------------------------
 # Who can be a population.
+
 
 def _shared_dict(cfg: Config) -> dict:
   d = to_dict(cfg)
@@ -74,26 +83,29 @@ def check_members(cfgs: Sequence[Config]) -> None:
     other = logs.flatten_dict(_shared_dict(c))
     for k in sorted(set(ref) | set(other)):
       if ref.get(k) != other.get(k):
-        raise ConfigError(f"{k}: population members differ ({ref.get(k)!r} vs {other.get(k)!r});"
-                          f" only {', '.join(POPULATION_KEYS)} may vary within a population")
+        raise ConfigError(
+          f"{k}: population members differ ({ref.get(k)!r} vs {other.get(k)!r});"
+          f" only {', '.join(POPULATION_KEYS)} may vary within a population"
+        )
 
 
 # ------------------------------------------------------------------------------------------
 # The compiled programs.
 
+
 @dataclasses.dataclass
 class Programs:
   model: Transformer
   example: jax.Array
-  tx: object            # the optimiser at the config's lr (shapes, restores)
-  shard: State          # one member's shardings (as a separate run's)
-  pop_shard: State      # the same with a leading unsharded member axis
+  tx: object  # the optimiser at the config's lr (shapes, restores)
+  shard: State  # one member's shardings (as a separate run's)
+  pop_shard: State  # the same with a leading unsharded member axis
   mesh: object
   stacked_batch: bool
-  step: object          # (state, lrs, active, batch, diag) -> (state, metrics)
-  eval: object          # (params, batch) -> metrics
-  take: object          # (state, i) -> member i's state
-  stack: object         # [member states] -> state
+  step: object  # (state, lrs, active, batch, diag) -> (state, metrics)
+  eval: object  # (params, batch) -> metrics
+  take: object  # (state, i) -> member i's state
+  stack: object  # [member states] -> state
   _inits: dict = dataclasses.field(default_factory=dict)
 
   def _init_fn(self, model_cfg):
@@ -101,8 +113,12 @@ class Programs:
 
     def init(key):
       params = nn.meta.unbox(model.init(key, self.example))
-      return State(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.tx.init(params),
-                   nonfinite=jnp.zeros((), jnp.int32))
+      return State(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        opt_state=self.tx.init(params),
+        nonfinite=jnp.zeros((), jnp.int32),
+      )
 
     return init
 
@@ -119,8 +135,9 @@ class Programs:
     if len({c.model.init_scale for c in cfgs}) > 1:
       return self.stack([self.init(c) for c in cfgs])
     if "all" not in self._inits:
-      self._inits["all"] = jax.jit(jax.vmap(self._init_fn(cfgs[0].model)),
-                                   out_shardings=self.pop_shard)
+      self._inits["all"] = jax.jit(
+        jax.vmap(self._init_fn(cfgs[0].model)), out_shardings=self.pop_shard
+      )
     keys = jnp.stack([jax.random.PRNGKey(c.train.seed) for c in cfgs])
     return self._inits["all"](keys)
 
@@ -152,19 +169,25 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
     return make_train_step(model, m_tx, m_schedule, cfg)(state, batch, diag)
 
   def pop_step(state, lrs, active, batch, diag):
-    new, metrics = jax.vmap(lambda s, lr, b: member_step(s, lr, b, diag),
-                            in_axes=(0, 0, b_axis))(state, lrs, batch)
+    new, metrics = jax.vmap(lambda s, lr, b: member_step(s, lr, b, diag), in_axes=(0, 0, b_axis))(
+      state, lrs, batch
+    )
     freeze = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
     return jax.tree.map(freeze, new, state), metrics
 
   evaluate = jax.vmap(make_eval_step(model, cfg), in_axes=(0, b_axis))
   prog = Programs(
-      model=model, example=example, tx=tx, shard=shard, pop_shard=pop_shard, mesh=mesh,
-      stacked_batch=stacked_batch,
-      step=jax.jit(pop_step, static_argnums=4, donate_argnums=0, out_shardings=(pop_shard, rep)),
-      eval=jax.jit(evaluate, out_shardings=rep),
-      take=jax.jit(lambda s, i: jax.tree.map(lambda a: a[i], s), out_shardings=shard),
-      stack=jax.jit(lambda ss: jax.tree.map(lambda *a: jnp.stack(a), *ss), out_shardings=pop_shard),
+    model=model,
+    example=example,
+    tx=tx,
+    shard=shard,
+    pop_shard=pop_shard,
+    mesh=mesh,
+    stacked_batch=stacked_batch,
+    step=jax.jit(pop_step, static_argnums=4, donate_argnums=0, out_shardings=(pop_shard, rep)),
+    eval=jax.jit(evaluate, out_shardings=rep),
+    take=jax.jit(lambda s, i: jax.tree.map(lambda a: a[i], s), out_shardings=shard),
+    stack=jax.jit(lambda ss: jax.tree.map(lambda *a: jnp.stack(a), *ss), out_shardings=pop_shard),
   )
   if len(_CACHE) >= 8:
     _CACHE.pop(next(iter(_CACHE)))
@@ -185,12 +208,14 @@ def put_batches(batches: list[dict], mesh, stacked: bool) -> dict:
     else:
       shape = (x.shape[0], x.shape[1] * n_proc) + x.shape[2:]
       out[k] = jax.make_array_from_process_local_data(
-          NamedSharding(mesh, P(None, sh.BATCH)), x, shape)
+        NamedSharding(mesh, P(None, sh.BATCH)), x, shape
+      )
   return out
 
 
 # ------------------------------------------------------------------------------------------
 # Training: the population as the engine's program (train.loop.run_members).
+
 
 class PopulationProgram:
   """The members' state stacked along a leading axis, stepped as one vmapped program."""
@@ -219,16 +244,22 @@ class PopulationProgram:
     return self.prog.take(state, i)
 
   def batch(self, step: int, split: str = "train"):
-    return put_batches([host_batch(s, self.cfg, step, split) for s in self.sources], self.mesh,
-                       self.stacked)
+    return put_batches(
+      [host_batch(s, self.cfg, step, split) for s in self.sources], self.mesh, self.stacked
+    )
 
   def step(self, state, active, step: int, diag: bool):
-    return self.prog.step(state, self.lrs, jax.device_put(active, self._rep), self.batch(step),
-                          diag)
+    return self.prog.step(
+      state, self.lrs, jax.device_put(active, self._rep), self.batch(step), diag
+    )
 
   def evaluate(self, state):
-    return mean_over_batches(self.prog.eval, state.params,
-                             lambda i: self.batch(i, "validation"), self.cfg.data.eval_batches)
+    return mean_over_batches(
+      self.prog.eval,
+      state.params,
+      lambda i: self.batch(i, "validation"),
+      self.cfg.data.eval_batches,
+    )
 
   def to_host(self, tree) -> dict:
     return {k: np.asarray(v) for k, v in jax.device_get(tree).items()}
@@ -237,8 +268,9 @@ class PopulationProgram:
     return count_params(self.abstract().params)
 
 
-def train_population(setups: Sequence[Setup], run_dirs: Sequence, resume: bool = True,
-                     progress: bool = True) -> list:
+def train_population(
+  setups: Sequence[Setup], run_dirs: Sequence, resume: bool = True, progress: bool = True
+) -> list:
   """Train the members (prepared setups) as one program, each logged into its run directory.
 
   Returns one entry per member: its summary dict, or the RunHalted it was halted with. Raises
@@ -248,10 +280,10 @@ def train_population(setups: Sequence[Setup], run_dirs: Sequence, resume: bool =
   """
   program = PopulationProgram(setups)
   members = [str(d) for d in run_dirs]
-  extra = [{"population": {"size": program.n, "index": i, "members": members}}
-           for i in range(program.n)]
-  return run_members(program, program.cfgs, run_dirs, resume=resume, progress=progress,
-                     extra=extra)
+  extra = [
+    {"population": {"size": program.n, "index": i, "members": members}} for i in range(program.n)
+  ]
+  return run_members(program, program.cfgs, run_dirs, resume=resume, progress=progress, extra=extra)
 
 
 # The sweep runner's name for rundir.checkpoint_steps, until it imports that directly.

@@ -10,6 +10,7 @@ one run (the median ``wall_s`` of the runs finished so far; before any has finis
 running runs' elapsed time over their fraction done), divided by the number of runs that can
 run at once.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,9 +56,18 @@ def last_step(metrics: Path) -> int | None:
 
 
 class SweepProgress:
-  def __init__(self, name: str, sweep_dir: Path, steps: dict, parallel: int, *,
-               enabled: bool = True, every_s: float = 30.0, stream=None,
-               tty: bool | None = None):
+  def __init__(
+    self,
+    name: str,
+    sweep_dir: Path,
+    steps: dict,
+    parallel: int,
+    *,
+    enabled: bool = True,
+    every_s: float = 30.0,
+    stream=None,
+    tty: bool | None = None,
+  ):
     """`steps`: {run name: train.steps} for the runs of this sweep."""
     self.name, self.dir, self.steps = name, Path(sweep_dir), dict(steps)
     self.parallel = max(1, parallel)
@@ -66,12 +76,15 @@ class SweepProgress:
     self.tty = enabled and (sys.stderr.isatty() if tty is None else tty)
     self.bar = None
     self.last_line, self.last_time = None, 0.0
-    self.started: dict = {}   # run -> monotonic time it was first seen running
+    self.started: dict = {}  # run -> monotonic time it was first seen running
 
   def estimate(self, runs: dict) -> float | None:
     now = time.monotonic()
-    walls = [float(i["wall_s"]) for n, i in runs.items()
-             if n in self.steps and i.get("status") == "done" and i.get("wall_s")]
+    walls = [
+      float(i["wall_s"])
+      for n, i in runs.items()
+      if n in self.steps and i.get("status") == "done" and i.get("wall_s")
+    ]
     remaining, rates = 0.0, []
     for n, info in runs.items():
       if n not in self.steps:
@@ -98,8 +111,10 @@ class SweepProgress:
 
   def line(self, runs: dict) -> str:
     c = counts({n: i for n, i in runs.items() if n in self.steps})
-    return (f"sweep {self.name}: {c['done']}/{len(self.steps)} done, {c['running']} running, "
-            f"{c['failed']} failed, {c['pending']} pending; ETA {format_eta(self.estimate(runs))}")
+    return (
+      f"sweep {self.name}: {c['done']}/{len(self.steps)} done, {c['running']} running, "
+      f"{c['failed']} failed, {c['pending']} pending; ETA {format_eta(self.estimate(runs))}"
+    )
 
   def update(self, manifest: dict | None, force: bool = False) -> None:
     if not self.enabled or not manifest:
@@ -108,12 +123,17 @@ class SweepProgress:
     c = counts({n: i for n, i in runs.items() if n in self.steps})
     if self.tty:
       if self.bar is None:
-        self.bar = tqdm(total=len(self.steps), unit="run", desc=f"sweep {self.name}",
-                        bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {postfix}",
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+          total=len(self.steps),
+          unit="run",
+          desc=f"sweep {self.name}",
+          bar_format="{desc}: {n_fmt}/{total_fmt} |{bar}| {postfix}",
+          dynamic_ncols=True,
+        )
       self.bar.n = c["done"] + c["failed"]
-      self.bar.set_postfix_str(f"{c['running']} running, {c['failed']} failed, "
-                               f"ETA {format_eta(self.estimate(runs))}")
+      self.bar.set_postfix_str(
+        f"{c['running']} running, {c['failed']} failed, ETA {format_eta(self.estimate(runs))}"
+      )
       return
     key = tuple(sorted(c.items()))
     now = time.monotonic()

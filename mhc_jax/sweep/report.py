@@ -25,6 +25,7 @@ NaN/inf is NaN/inf.
 A directory without ``manifest.json`` but with ``metrics.jsonl`` or ``config.yaml`` is
 treated as a one-run sweep, so a single run can be reported too.
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -43,20 +44,20 @@ from mhc_jax.spikes import lr_sensitivity
 from mhc_jax.sweep import stats
 
 __all__ = [
-    "FINAL_FRACTION",
-    "COLUMN_DOCS",
-    "final_loss_of",
-    "summarize_run",
-    "summary_table",
-    "lr_sensitivity_table",
-    "LATER_COLUMNS",
-    "GROUP_METRICS",
-    "COMPOSITE_SENTENCES",
-    "group_columns",
-    "groups_table",
-    "paired_table",
-    "finding",
-    "write_report",
+  "FINAL_FRACTION",
+  "COLUMN_DOCS",
+  "final_loss_of",
+  "summarize_run",
+  "summary_table",
+  "lr_sensitivity_table",
+  "LATER_COLUMNS",
+  "GROUP_METRICS",
+  "COMPOSITE_SENTENCES",
+  "group_columns",
+  "groups_table",
+  "paired_table",
+  "finding",
+  "write_report",
 ]
 
 #: Fraction of the logged losses averaged into ``final_loss`` (at least one value).
@@ -64,48 +65,48 @@ FINAL_FRACTION = 0.05
 
 #: The metric columns of :func:`summary_table`, in order, with their exact definitions.
 COLUMN_DOCS: dict[str, str] = {
-    "status": "the manifest's status (done | failed | running | pending); summary.json's status where "
-    "the manifest has none",
-    "steps": "last logged step in metrics.jsonl (0 when nothing is logged)",
-    "loss_init": "first logged loss",
-    "final_loss": "mean of the last 5% of the logged losses (ceil(n/20), at least 1); NaN/inf if any "
-    "of them is",
-    "min_loss": "minimum over the finite logged losses",
-    "spike_count": "number of events of kind spike/* in events.jsonl (a step where loss and grad norm "
-    "both spike counts twice); NA for a run with no metrics",
-    "spike_score": "last logged spike_score (fraction of spike steps in the trailing window)",
-    "max_grad_norm": "maximum logged grad_norm (before clipping) over steps, NaN entries ignored, inf kept",
-    "amax_fwd_composite_max": "token-averaged composite: max over steps of the last layer's amax_fwd_composite, "
-    "the forward Amax gain (max |row sum|) of the whole-depth product of the token-mean H_res (what the mHC "
-    "paper plots)",
-    "amax_fwd_composite_tok_mean_max": "per-token composite, token mean: max over steps of the last layer's "
-    "amax_fwd_composite_tok_mean, the forward Amax gain of each sampled token's own whole-depth product of its "
-    "H_res, averaged over the token sample; n/a where the logs do not have it (written before it existed)",
-    "amax_fwd_composite_tok_max_max": "per-token composite, worst token: the same for "
-    "amax_fwd_composite_tok_max (max over the token sample); n/a where not logged",
-    "amax_bwd_composite_max": "token-averaged composite, backward: as amax_fwd_composite_max for "
-    "amax_bwd_composite (max |column sum|)",
-    "amax_bwd_composite_tok_mean_max": "per-token composite, backward, token mean (amax_bwd_composite_tok_mean); "
-    "n/a where not logged",
-    "amax_bwd_composite_tok_max_max": "per-token composite, backward, worst token (amax_bwd_composite_tok_max); "
-    "n/a where not logged",
-    "amin_fwd_composite_min": "attenuation: min over steps of the last layer's amin_fwd_composite (min |row sum| "
-    "of the whole-depth product of H_res; below 1 the residual path shrinks the signal); n/a where not logged",
-    "amin_bwd_composite_min": "the same for amin_bwd_composite (min |column sum|); n/a where not logged",
-    "amax_fwd_composite_max_all_layers": "max of amax_fwd_composite over all layers and steps (partial "
-    "products from the input, layer 0 to l, included)",
-    "amax_bwd_composite_max_all_layers": "max of amax_bwd_composite over all layers and steps",
-    "amax_fwd_suffix_max_all_layers": "max over layers and steps of amax_fwd_suffix, the Amax gain of the "
-    "suffix product of H_res from layer l to the output (the mHC paper's Eq. 4); n/a where not logged",
-    "amax_bwd_suffix_max_all_layers": "the same for amax_bwd_suffix; n/a where not logged",
-    "growth_exponent": "last logged growth_exponent (activations over the 2L mixer layers: "
-    "(1/(2L)) ln(RMS(x_2L)/RMS(x_0)), x_0 the stream entering the first mixer layer, x_2L the one leaving the "
-    "last)",
-    "kl_bits": "last logged eval/kl_bits (KL to the exact posterior, bits; wind tunnels only, else NaN)",
-    "nonfinite": "last logged nonfinite counter (non-finite steps); where never logged, the number of "
-    "logged non-finite losses; NA for a run with no metrics",
-    "note": "what is missing or went wrong: no metrics yet, first non-finite loss, divergence event, "
-    "summary.json status",
+  "status": "the manifest's status (done | failed | running | pending); summary.json's status where "
+  "the manifest has none",
+  "steps": "last logged step in metrics.jsonl (0 when nothing is logged)",
+  "loss_init": "first logged loss",
+  "final_loss": "mean of the last 5% of the logged losses (ceil(n/20), at least 1); NaN/inf if any "
+  "of them is",
+  "min_loss": "minimum over the finite logged losses",
+  "spike_count": "number of events of kind spike/* in events.jsonl (a step where loss and grad norm "
+  "both spike counts twice); NA for a run with no metrics",
+  "spike_score": "last logged spike_score (fraction of spike steps in the trailing window)",
+  "max_grad_norm": "maximum logged grad_norm (before clipping) over steps, NaN entries ignored, inf kept",
+  "amax_fwd_composite_max": "token-averaged composite: max over steps of the last layer's amax_fwd_composite, "
+  "the forward Amax gain (max |row sum|) of the whole-depth product of the token-mean H_res (what the mHC "
+  "paper plots)",
+  "amax_fwd_composite_tok_mean_max": "per-token composite, token mean: max over steps of the last layer's "
+  "amax_fwd_composite_tok_mean, the forward Amax gain of each sampled token's own whole-depth product of its "
+  "H_res, averaged over the token sample; n/a where the logs do not have it (written before it existed)",
+  "amax_fwd_composite_tok_max_max": "per-token composite, worst token: the same for "
+  "amax_fwd_composite_tok_max (max over the token sample); n/a where not logged",
+  "amax_bwd_composite_max": "token-averaged composite, backward: as amax_fwd_composite_max for "
+  "amax_bwd_composite (max |column sum|)",
+  "amax_bwd_composite_tok_mean_max": "per-token composite, backward, token mean (amax_bwd_composite_tok_mean); "
+  "n/a where not logged",
+  "amax_bwd_composite_tok_max_max": "per-token composite, backward, worst token (amax_bwd_composite_tok_max); "
+  "n/a where not logged",
+  "amin_fwd_composite_min": "attenuation: min over steps of the last layer's amin_fwd_composite (min |row sum| "
+  "of the whole-depth product of H_res; below 1 the residual path shrinks the signal); n/a where not logged",
+  "amin_bwd_composite_min": "the same for amin_bwd_composite (min |column sum|); n/a where not logged",
+  "amax_fwd_composite_max_all_layers": "max of amax_fwd_composite over all layers and steps (partial "
+  "products from the input, layer 0 to l, included)",
+  "amax_bwd_composite_max_all_layers": "max of amax_bwd_composite over all layers and steps",
+  "amax_fwd_suffix_max_all_layers": "max over layers and steps of amax_fwd_suffix, the Amax gain of the "
+  "suffix product of H_res from layer l to the output (the mHC paper's Eq. 4); n/a where not logged",
+  "amax_bwd_suffix_max_all_layers": "the same for amax_bwd_suffix; n/a where not logged",
+  "growth_exponent": "last logged growth_exponent (activations over the 2L mixer layers: "
+  "(1/(2L)) ln(RMS(x_2L)/RMS(x_0)), x_0 the stream entering the first mixer layer, x_2L the one leaving the "
+  "last)",
+  "kl_bits": "last logged eval/kl_bits (KL to the exact posterior, bits; wind tunnels only, else NaN)",
+  "nonfinite": "last logged nonfinite counter (non-finite steps); where never logged, the number of "
+  "logged non-finite losses; NA for a run with no metrics",
+  "note": "what is missing or went wrong: no metrics yet, first non-finite loss, divergence event, "
+  "summary.json status",
 }
 METRIC_COLUMNS = list(COLUMN_DOCS)
 #: Columns from metrics added after the first logs were written: where a run's logs lack the
@@ -113,365 +114,405 @@ METRIC_COLUMNS = list(COLUMN_DOCS)
 #: column -> (metric in metrics.jsonl, reduction over steps of the whole-depth value, or "all
 #: layers": over every layer).
 LATER_COLUMNS: dict[str, tuple[str, str]] = {
-    **{f"amax_{d}_composite_tok_{k}_max": (f"amax_{d}_composite_tok_{k}", "max") for d in ("fwd", "bwd")
-       for k in ("mean", "max")},
-    **{f"amin_{d}_composite_min": (f"amin_{d}_composite", "min") for d in ("fwd", "bwd")},
-    **{f"amax_{d}_suffix_max_all_layers": (f"amax_{d}_suffix", "all layers") for d in ("fwd", "bwd")},
+  **{
+    f"amax_{d}_composite_tok_{k}_max": (f"amax_{d}_composite_tok_{k}", "max")
+    for d in ("fwd", "bwd")
+    for k in ("mean", "max")
+  },
+  **{f"amin_{d}_composite_min": (f"amin_{d}_composite", "min") for d in ("fwd", "bwd")},
+  **{f"amax_{d}_suffix_max_all_layers": (f"amax_{d}_suffix", "all layers") for d in ("fwd", "bwd")},
 }
 #: Numeric columns that are summarised over seeds (report/groups.csv, report/paired.csv).
 GROUP_METRICS = [c for c in METRIC_COLUMNS if c not in ("status", "note", "steps")]
 #: What the two kinds of composite gain mean, one sentence each (the report and notebook 02).
 COMPOSITE_SENTENCES = {
-    "token-averaged": "Token-averaged composite (amax_*_composite): the Amax gain of the product over layers "
-    "of the token-mean H_res, which is what the mHC paper plots; averaging the matrices first cancels "
-    "token-to-token variation, so it can read near 1 while individual tokens' products are not.",
-    "per-token": "Per-token composite (amax_*_composite_tok_mean / _tok_max): each sampled token's own "
-    "product of its H_res across all layers (mean and worst over the sample), i.e. what one token's signal "
-    "actually passes through, which token averaging can hide.",
+  "token-averaged": "Token-averaged composite (amax_*_composite): the Amax gain of the product over layers "
+  "of the token-mean H_res, which is what the mHC paper plots; averaging the matrices first cancels "
+  "token-to-token variation, so it can read near 1 while individual tokens' products are not.",
+  "per-token": "Per-token composite (amax_*_composite_tok_mean / _tok_max): each sampled token's own "
+  "product of its H_res across all layers (mean and worst over the sample), i.e. what one token's signal "
+  "actually passes through, which token averaging can hide.",
 }
 
 # Canonical short names for the sweep axes the plots need: role -> accepted last key parts.
 _ROLES: dict[str, tuple[str, ...]] = {
-    "mixer": ("mixer",),
-    "depth": ("depth", "n_layers", "num_layers"),
-    "width": ("width", "d_model"),
-    "lr": ("lr", "learning_rate", "peak_lr"),
-    "seed": ("seed",),
+  "mixer": ("mixer",),
+  "depth": ("depth", "n_layers", "num_layers"),
+  "width": ("width", "d_model"),
+  "lr": ("lr", "learning_rate", "peak_lr"),
+  "seed": ("seed",),
 }
 # Where the resolved config holds each role (for runs where it is not a sweep axis).
-_CONFIG_KEYS = {"mixer": "model.mixer", "depth": "model.depth", "width": "model.width", "lr": "optim.lr",
-                "seed": "train.seed"}
+_CONFIG_KEYS = {
+  "mixer": "model.mixer",
+  "depth": "model.depth",
+  "width": "model.width",
+  "lr": "optim.lr",
+  "seed": "train.seed",
+}
 
 
 # =========================================================================== one run
 def _merged(path: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl records merged per step (later keys win), flattened, sorted by step."""
-    if not path.exists():
-        return []
-    by_step: dict[Any, dict[str, Any]] = {}
-    for rec in read_jsonl(path):
-        if isinstance(rec, dict) and rec.get("step") is not None:
-            by_step.setdefault(rec["step"], {}).update(flatten_dict(rec, sep="/"))
-    return [by_step[s] for s in sorted(by_step)]
+  """metrics.jsonl records merged per step (later keys win), flattened, sorted by step."""
+  if not path.exists():
+    return []
+  by_step: dict[Any, dict[str, Any]] = {}
+  for rec in read_jsonl(path):
+    if isinstance(rec, dict) and rec.get("step") is not None:
+      by_step.setdefault(rec["step"], {}).update(flatten_dict(rec, sep="/"))
+  return [by_step[s] for s in sorted(by_step)]
 
 
 def _get(rec: Mapping[str, Any], key: str) -> Any:
-    """A metric by name, accepting ``eval/x`` written nested (``{"eval": {"x": ..}}``) too."""
-    return rec[key] if key in rec else rec.get(key.replace("/", "."), None)
+  """A metric by name, accepting ``eval/x`` written nested (``{"eval": {"x": ..}}``) too."""
+  return rec[key] if key in rec else rec.get(key.replace("/", "."), None)
 
 
 def _has(rec: Mapping[str, Any], key: str) -> bool:
-    return key in rec or key.replace("/", ".") in rec
+  return key in rec or key.replace("/", ".") in rec
 
 
 def _scalars(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """(steps, float values) of the records that have ``key`` (None -> NaN)."""
-    steps, vals = [], []
-    for r in records:
-        if _has(r, key):
-            v = _get(r, key)
-            try:
-                vals.append(math.nan if v is None else float(v))
-            except (TypeError, ValueError):
-                continue
-            steps.append(r["step"])
-    return np.asarray(steps), np.asarray(vals, dtype=np.float64)
+  """(steps, float values) of the records that have ``key`` (None -> NaN)."""
+  steps, vals = [], []
+  for r in records:
+    if _has(r, key):
+      v = _get(r, key)
+      try:
+        vals.append(math.nan if v is None else float(v))
+      except (TypeError, ValueError):
+        continue
+      steps.append(r["step"])
+  return np.asarray(steps), np.asarray(vals, dtype=np.float64)
 
 
 def _layer_lists(records: list[dict[str, Any]], key: str) -> list[np.ndarray]:
-    out = []
-    for r in records:
-        v = _get(r, key)
-        if isinstance(v, list) and v:
-            out.append(np.asarray([math.nan if x is None else x for x in v], dtype=np.float64))
-    return out
+  out = []
+  for r in records:
+    v = _get(r, key)
+    if isinstance(v, list) and v:
+      out.append(np.asarray([math.nan if x is None else x for x in v], dtype=np.float64))
+  return out
 
 
 def _nanmax(a: np.ndarray) -> float:
-    a = np.asarray(a, dtype=np.float64)
-    return float(np.nanmax(a)) if a.size and not np.isnan(a).all() else math.nan
+  a = np.asarray(a, dtype=np.float64)
+  return float(np.nanmax(a)) if a.size and not np.isnan(a).all() else math.nan
 
 
 def _last(vals: np.ndarray) -> float:
-    return float(vals[-1]) if len(vals) else math.nan
+  return float(vals[-1]) if len(vals) else math.nan
 
 
 def _read_summary(run_dir: Path) -> dict[str, Any]:
-    """summary.json as a dict ({} if missing, unreadable or half-written)."""
-    try:
-        out = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return out if isinstance(out, dict) else {}
+  """summary.json as a dict ({} if missing, unreadable or half-written)."""
+  try:
+    out = json.loads((run_dir / "summary.json").read_text())
+  except (OSError, ValueError):
+    return {}
+  return out if isinstance(out, dict) else {}
 
 
 def final_loss_of(losses: np.ndarray) -> float:
-    """Mean of the last ``ceil(n/20)`` (>= 1) values: the :data:`COLUMN_DOCS` ``final_loss``."""
-    n = len(losses)
-    if n == 0:
-        return math.nan
-    k = max(1, -(-n // round(1 / FINAL_FRACTION)))
-    with np.errstate(invalid="ignore"):
-        return float(np.mean(losses[-k:]))
+  """Mean of the last ``ceil(n/20)`` (>= 1) values: the :data:`COLUMN_DOCS` ``final_loss``."""
+  n = len(losses)
+  if n == 0:
+    return math.nan
+  k = max(1, -(-n // round(1 / FINAL_FRACTION)))
+  with np.errstate(invalid="ignore"):
+    return float(np.mean(losses[-k:]))
 
 
 def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """One run directory -> ``{column: value}`` for the :data:`COLUMN_DOCS` columns.
+  """One run directory -> ``{column: value}`` for the :data:`COLUMN_DOCS` columns.
 
-    Works on a run with no files at all (everything NaN, ``steps`` 0, a ``note`` saying
-    so). ``status`` comes from ``summary.json`` (None without one); ``summary_table``
-    prefers the manifest's. A :data:`LATER_COLUMNS` column whose metric the logs lack is NaN
-    and the note names it.
-    """
-    return _summarize(run_dir)[0]
+  Works on a run with no files at all (everything NaN, ``steps`` 0, a ``note`` saying
+  so). ``status`` comes from ``summary.json`` (None without one); ``summary_table``
+  prefers the manifest's. A :data:`LATER_COLUMNS` column whose metric the logs lack is NaN
+  and the note names it.
+  """
+  return _summarize(run_dir)[0]
 
 
 def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
-    """(:func:`summarize_run`'s dict, the :data:`LATER_COLUMNS` the logs do not have)."""
-    run_dir = Path(run_dir)
-    records = _merged(run_dir / "metrics.jsonl")
-    events = load_events(run_dir) if (run_dir / "events.jsonl").exists() else None
-    summary = _read_summary(run_dir)
+  """(:func:`summarize_run`'s dict, the :data:`LATER_COLUMNS` the logs do not have)."""
+  run_dir = Path(run_dir)
+  records = _merged(run_dir / "metrics.jsonl")
+  events = load_events(run_dir) if (run_dir / "events.jsonl").exists() else None
+  summary = _read_summary(run_dir)
 
-    loss_steps, losses = _scalars(records, "loss")
-    _, grads = _scalars(records, "grad_norm")
-    out: dict[str, Any] = {"status": summary.get("status")}
-    out["steps"] = int(records[-1]["step"]) if records else 0
-    out["loss_init"] = _last(losses[:1])
-    out["final_loss"] = final_loss_of(losses)
-    finite = losses[np.isfinite(losses)]
-    out["min_loss"] = float(finite.min()) if finite.size else math.nan
-    kinds = events["kind"].astype(str) if events is not None and len(events) else pd.Series([], dtype=str)
-    out["spike_count"] = int(kinds.str.startswith("spike/").sum())
-    out["spike_score"] = _last(_scalars(records, "spike_score")[1])
-    out["max_grad_norm"] = _nanmax(grads)
-    for d in ("fwd", "bwd"):
-        lists = _layer_lists(records, f"amax_{d}_composite")
-        out[f"amax_{d}_composite_max"] = _nanmax(np.array([x[-1] for x in lists]))
-        out[f"amax_{d}_composite_max_all_layers"] = _nanmax(np.concatenate(lists)) if lists else math.nan
-    not_logged = []
-    for col, (metric, how) in LATER_COLUMNS.items():
-        lists = _layer_lists(records, metric)
-        if not lists:
-            out[col] = math.nan
-            not_logged.append(col)
-        elif how == "all layers":
-            out[col] = _nanmax(np.concatenate(lists))
-        elif how == "min":
-            out[col] = -_nanmax(-np.array([x[-1] for x in lists]))
-        else:
-            out[col] = _nanmax(np.array([x[-1] for x in lists]))
-    out["growth_exponent"] = _last(_scalars(records, "growth_exponent")[1])
-    out["kl_bits"] = _last(_scalars(records, "eval/kl_bits")[1])
-    _, nf = _scalars(records, "nonfinite")
-    out["nonfinite"] = int(nf[-1]) if len(nf) and np.isfinite(nf[-1]) else int((~np.isfinite(losses)).sum())
+  loss_steps, losses = _scalars(records, "loss")
+  _, grads = _scalars(records, "grad_norm")
+  out: dict[str, Any] = {"status": summary.get("status")}
+  out["steps"] = int(records[-1]["step"]) if records else 0
+  out["loss_init"] = _last(losses[:1])
+  out["final_loss"] = final_loss_of(losses)
+  finite = losses[np.isfinite(losses)]
+  out["min_loss"] = float(finite.min()) if finite.size else math.nan
+  kinds = (
+    events["kind"].astype(str) if events is not None and len(events) else pd.Series([], dtype=str)
+  )
+  out["spike_count"] = int(kinds.str.startswith("spike/").sum())
+  out["spike_score"] = _last(_scalars(records, "spike_score")[1])
+  out["max_grad_norm"] = _nanmax(grads)
+  for d in ("fwd", "bwd"):
+    lists = _layer_lists(records, f"amax_{d}_composite")
+    out[f"amax_{d}_composite_max"] = _nanmax(np.array([x[-1] for x in lists]))
+    out[f"amax_{d}_composite_max_all_layers"] = (
+      _nanmax(np.concatenate(lists)) if lists else math.nan
+    )
+  not_logged = []
+  for col, (metric, how) in LATER_COLUMNS.items():
+    lists = _layer_lists(records, metric)
+    if not lists:
+      out[col] = math.nan
+      not_logged.append(col)
+    elif how == "all layers":
+      out[col] = _nanmax(np.concatenate(lists))
+    elif how == "min":
+      out[col] = -_nanmax(-np.array([x[-1] for x in lists]))
+    else:
+      out[col] = _nanmax(np.array([x[-1] for x in lists]))
+  out["growth_exponent"] = _last(_scalars(records, "growth_exponent")[1])
+  out["kl_bits"] = _last(_scalars(records, "eval/kl_bits")[1])
+  _, nf = _scalars(records, "nonfinite")
+  out["nonfinite"] = (
+    int(nf[-1]) if len(nf) and np.isfinite(nf[-1]) else int((~np.isfinite(losses)).sum())
+  )
 
-    notes = []
-    if not records:
-        notes.append("no metrics logged yet")
-    elif not len(losses):
-        notes.append("no loss logged")
-    bad = np.flatnonzero(~np.isfinite(losses))
-    if bad.size:
-        notes.append(f"loss non-finite from step {int(loss_steps[bad[0]])} ({bad.size} logged steps)")
-    if events is not None and len(events):
-        div = events[kinds == "divergence"]
-        if len(div):
-            reason = div["reason"].iloc[0] if "reason" in div.columns else None
-            why = f" ({reason})" if isinstance(reason, str) else ""
-            notes.append(f"divergence at step {int(div['step'].iloc[0])}{why}")
-    if records and not _layer_lists(records, "amax_fwd_composite"):
-        notes.append("no per-layer diagnostics")
-    elif records and not_logged:
-        kinds = {"per-token composite": "_tok_", "amin composite": "amin_", "suffix products": "_suffix"}
-        notes.append("not logged: " + ", ".join(k for k, part in kinds.items() if any(part in c for c in not_logged)))
-    if summary.get("status") not in (None, "done"):
-        notes.append(f"summary.json: {summary['status']}")
-    out["note"] = "; ".join(notes)
-    return {k: out[k] for k in METRIC_COLUMNS}, not_logged
+  notes = []
+  if not records:
+    notes.append("no metrics logged yet")
+  elif not len(losses):
+    notes.append("no loss logged")
+  bad = np.flatnonzero(~np.isfinite(losses))
+  if bad.size:
+    notes.append(f"loss non-finite from step {int(loss_steps[bad[0]])} ({bad.size} logged steps)")
+  if events is not None and len(events):
+    div = events[kinds == "divergence"]
+    if len(div):
+      reason = div["reason"].iloc[0] if "reason" in div.columns else None
+      why = f" ({reason})" if isinstance(reason, str) else ""
+      notes.append(f"divergence at step {int(div['step'].iloc[0])}{why}")
+  if records and not _layer_lists(records, "amax_fwd_composite"):
+    notes.append("no per-layer diagnostics")
+  elif records and not_logged:
+    kinds = {
+      "per-token composite": "_tok_",
+      "amin composite": "amin_",
+      "suffix products": "_suffix",
+    }
+    notes.append(
+      "not logged: "
+      + ", ".join(k for k, part in kinds.items() if any(part in c for c in not_logged))
+    )
+  if summary.get("status") not in (None, "done"):
+    notes.append(f"summary.json: {summary['status']}")
+  out["note"] = "; ".join(notes)
+  return {k: out[k] for k in METRIC_COLUMNS}, not_logged
 
 
 # =========================================================================== a sweep
 def _sweep_runs(sweep_dir: Path) -> dict[str, dict[str, Any]]:
-    """The manifest's runs, or a one-run manifest for a bare run directory."""
-    mpath = sweep_dir / "manifest.json"
-    if mpath.exists():
-        runs = json.loads(mpath.read_text()).get("runs", {})
-        if isinstance(runs, list):
-            runs = {r["name"]: r for r in runs}
-        return dict(runs)
-    if (sweep_dir / "metrics.jsonl").exists() or (sweep_dir / "config.yaml").exists():
-        status = _read_summary(sweep_dir).get("status") or "running"
-        return {sweep_dir.resolve().name: {"status": status, "overrides": {}, "dir": "."}}
-    raise FileNotFoundError(f"{sweep_dir}: neither a sweep (manifest.json) nor a run directory")
+  """The manifest's runs, or a one-run manifest for a bare run directory."""
+  mpath = sweep_dir / "manifest.json"
+  if mpath.exists():
+    runs = json.loads(mpath.read_text()).get("runs", {})
+    if isinstance(runs, list):
+      runs = {r["name"]: r for r in runs}
+    return dict(runs)
+  if (sweep_dir / "metrics.jsonl").exists() or (sweep_dir / "config.yaml").exists():
+    status = _read_summary(sweep_dir).get("status") or "running"
+    return {sweep_dir.resolve().name: {"status": status, "overrides": {}, "dir": "."}}
+  raise FileNotFoundError(f"{sweep_dir}: neither a sweep (manifest.json) nor a run directory")
 
 
 def _role(key: str) -> str | None:
-    last = key.rsplit(".", 1)[-1]
-    return next((r for r, names in _ROLES.items() if last in names), None)
+  last = key.rsplit(".", 1)[-1]
+  return next((r for r, names in _ROLES.items() if last in names), None)
 
 
 def _axis_columns(keys: list[str]) -> dict[str, str]:
-    """Dotted override keys -> short column names (canonical role names, else the last part;
-    the full key where that would collide with another axis or a table column)."""
-    reserved = {"run", *METRIC_COLUMNS}
-    cols: dict[str, str] = {}
-    # roles first, preferring the standard config key for each role
-    for role in _ROLES:
-        cands = [k for k in keys if _role(k) == role]
-        if cands:
-            best = _CONFIG_KEYS[role] if _CONFIG_KEYS[role] in cands else cands[0]
-            cols[best] = role
-    used = set(cols.values()) | reserved
-    lasts = [k.rsplit(".", 1)[-1] for k in keys if k not in cols]
-    for k in keys:
-        if k in cols:
-            continue
-        short = k.rsplit(".", 1)[-1]
-        cols[k] = short if short not in used and lasts.count(short) == 1 else k
-        used.add(cols[k])
-    return {k: cols[k] for k in keys}
+  """Dotted override keys -> short column names (canonical role names, else the last part;
+  the full key where that would collide with another axis or a table column)."""
+  reserved = {"run", *METRIC_COLUMNS}
+  cols: dict[str, str] = {}
+  # roles first, preferring the standard config key for each role
+  for role in _ROLES:
+    cands = [k for k in keys if _role(k) == role]
+    if cands:
+      best = _CONFIG_KEYS[role] if _CONFIG_KEYS[role] in cands else cands[0]
+      cols[best] = role
+  used = set(cols.values()) | reserved
+  lasts = [k.rsplit(".", 1)[-1] for k in keys if k not in cols]
+  for k in keys:
+    if k in cols:
+      continue
+    short = k.rsplit(".", 1)[-1]
+    cols[k] = short if short not in used and lasts.count(short) == 1 else k
+    used.add(cols[k])
+  return {k: cols[k] for k in keys}
 
 
 def _read_config(run_dir: Path) -> dict[str, Any]:
-    """The run's resolved config.yaml, flattened to dotted keys ({} if missing or unreadable)."""
-    path = run_dir / "config.yaml"
-    if not path.exists():
-        return {}
-    import yaml
+  """The run's resolved config.yaml, flattened to dotted keys ({} if missing or unreadable)."""
+  path = run_dir / "config.yaml"
+  if not path.exists():
+    return {}
+  import yaml
 
-    try:
-        cfg = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        return {}
-    return flatten_dict(cfg) if isinstance(cfg, Mapping) else {}
+  try:
+    cfg = yaml.safe_load(path.read_text())
+  except yaml.YAMLError:
+    return {}
+  return flatten_dict(cfg) if isinstance(cfg, Mapping) else {}
 
 
 def _cell(v: Any) -> Any:
-    return json.dumps(v) if isinstance(v, (list, dict, tuple)) else v
+  return json.dumps(v) if isinstance(v, (list, dict, tuple)) else v
 
 
 def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:
-    """One row per run in the manifest: ``run``, the sweep axes (override keys shortened:
-    ``model.mixer`` -> ``mixer``, ``optim.lr`` -> ``lr`` ...), the roles ``mixer``,
-    ``depth``, ``width``, ``lr``, ``seed`` from ``config.yaml`` where they are not axes but
-    the config has them, then the :data:`COLUMN_DOCS` columns.
+  """One row per run in the manifest: ``run``, the sweep axes (override keys shortened:
+  ``model.mixer`` -> ``mixer``, ``optim.lr`` -> ``lr`` ...), the roles ``mixer``,
+  ``depth``, ``width``, ``lr``, ``seed`` from ``config.yaml`` where they are not axes but
+  the config has them, then the :data:`COLUMN_DOCS` columns.
 
-    ``df.attrs``: ``axes`` (override key -> column), ``id_columns`` (the columns before
-    ``status``, which identify a run), ``run_dirs`` (run -> path), ``sweep_dir``,
-    ``not_logged`` (run -> the :data:`LATER_COLUMNS` its logs lack; shown as "n/a").
-    """
-    sweep_dir = Path(sweep_dir)
-    runs = _sweep_runs(sweep_dir)
-    keys: list[str] = []
-    for info in runs.values():
-        for k in info.get("overrides") or {}:
-            if k not in keys:
-                keys.append(k)
-    axes = _axis_columns(keys)
-    rows, configs, run_dirs, not_logged = [], {}, {}, {}
-    for name, info in runs.items():
-        rdir = sweep_dir / (info.get("dir") or name)
-        run_dirs[name] = str(rdir)
-        cfg = _read_config(rdir)
-        configs[name] = cfg
-        overrides = info.get("overrides") or {}
-        row: dict[str, Any] = {"run": name}
-        row.update({col: _cell(overrides.get(k, cfg.get(k))) for k, col in axes.items()})
-        stats, missing = _summarize(rdir)
-        if missing:
-            not_logged[name] = missing
-        if info.get("status"):
-            stats["status"] = info["status"]
-        elif stats["status"] is None:
-            stats["status"] = "unknown"
-        row["_stats"] = stats
-        rows.append(row)
-    context = [r for r in _ROLES if r not in axes.values() and any(_CONFIG_KEYS[r] in c for c in configs.values())]
-    id_cols = ["run", *axes.values(), *context]
-    records = []
-    for row in rows:
-        cfg = configs[row["run"]]
-        rec = {c: row.get(c) for c in ["run", *axes.values()]}
-        rec.update({r: _cell(cfg.get(_CONFIG_KEYS[r])) for r in context})
-        rec.update(row["_stats"])
-        records.append(rec)
-    df = pd.DataFrame(records, columns=[*id_cols, *METRIC_COLUMNS])
-    for c in id_cols[1:]:  # integer axes stay integers even where a run lacks them
-        raw = [rec[c] for rec in records]
-        vals = [v for v in raw if v is not None]
-        if vals and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in vals):
-            df[c] = pd.array(raw, dtype="Int64")
-    df["steps"] = df["steps"].astype("int64")
-    for c in ("spike_count", "nonfinite"):  # unknown (NA) for a run that has logged nothing
-        df[c] = pd.array([v if s > 0 else pd.NA for v, s in zip(df[c], df["steps"])], dtype="Int64")
-    for c in METRIC_COLUMNS:
-        if c not in ("status", "note", "steps", "spike_count", "nonfinite"):
-            df[c] = df[c].astype("float64")
-    df.attrs = {"axes": axes, "id_columns": id_cols, "run_dirs": run_dirs, "sweep_dir": str(sweep_dir),
-                "not_logged": not_logged}
-    return df
+  ``df.attrs``: ``axes`` (override key -> column), ``id_columns`` (the columns before
+  ``status``, which identify a run), ``run_dirs`` (run -> path), ``sweep_dir``,
+  ``not_logged`` (run -> the :data:`LATER_COLUMNS` its logs lack; shown as "n/a").
+  """
+  sweep_dir = Path(sweep_dir)
+  runs = _sweep_runs(sweep_dir)
+  keys: list[str] = []
+  for info in runs.values():
+    for k in info.get("overrides") or {}:
+      if k not in keys:
+        keys.append(k)
+  axes = _axis_columns(keys)
+  rows, configs, run_dirs, not_logged = [], {}, {}, {}
+  for name, info in runs.items():
+    rdir = sweep_dir / (info.get("dir") or name)
+    run_dirs[name] = str(rdir)
+    cfg = _read_config(rdir)
+    configs[name] = cfg
+    overrides = info.get("overrides") or {}
+    row: dict[str, Any] = {"run": name}
+    row.update({col: _cell(overrides.get(k, cfg.get(k))) for k, col in axes.items()})
+    stats, missing = _summarize(rdir)
+    if missing:
+      not_logged[name] = missing
+    if info.get("status"):
+      stats["status"] = info["status"]
+    elif stats["status"] is None:
+      stats["status"] = "unknown"
+    row["_stats"] = stats
+    rows.append(row)
+  context = [
+    r
+    for r in _ROLES
+    if r not in axes.values() and any(_CONFIG_KEYS[r] in c for c in configs.values())
+  ]
+  id_cols = ["run", *axes.values(), *context]
+  records = []
+  for row in rows:
+    cfg = configs[row["run"]]
+    rec = {c: row.get(c) for c in ["run", *axes.values()]}
+    rec.update({r: _cell(cfg.get(_CONFIG_KEYS[r])) for r in context})
+    rec.update(row["_stats"])
+    records.append(rec)
+  df = pd.DataFrame(records, columns=[*id_cols, *METRIC_COLUMNS])
+  for c in id_cols[1:]:  # integer axes stay integers even where a run lacks them
+    raw = [rec[c] for rec in records]
+    vals = [v for v in raw if v is not None]
+    if vals and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in vals):
+      df[c] = pd.array(raw, dtype="Int64")
+  df["steps"] = df["steps"].astype("int64")
+  for c in ("spike_count", "nonfinite"):  # unknown (NA) for a run that has logged nothing
+    df[c] = pd.array([v if s > 0 else pd.NA for v, s in zip(df[c], df["steps"])], dtype="Int64")
+  for c in METRIC_COLUMNS:
+    if c not in ("status", "note", "steps", "spike_count", "nonfinite"):
+      df[c] = df[c].astype("float64")
+  df.attrs = {
+    "axes": axes,
+    "id_columns": id_cols,
+    "run_dirs": run_dirs,
+    "sweep_dir": str(sweep_dir),
+    "not_logged": not_logged,
+  }
+  return df
 
 
 def _id_columns(df: pd.DataFrame) -> list[str]:
-    ids = df.attrs.get("id_columns")
-    if ids:
-        return [c for c in ids if c in df.columns]
-    return list(df.columns[: df.columns.get_loc("status")]) if "status" in df.columns else ["run"]
+  ids = df.attrs.get("id_columns")
+  if ids:
+    return [c for c in ids if c in df.columns]
+  return list(df.columns[: df.columns.get_loc("status")]) if "status" in df.columns else ["run"]
 
 
 def has_lr_axis(df: pd.DataFrame) -> bool:
-    """True when the table has an ``lr`` column with at least two distinct learning rates."""
-    return "lr" in df.columns and pd.to_numeric(df["lr"], errors="coerce").dropna().nunique() >= 2
+  """True when the table has an ``lr`` column with at least two distinct learning rates."""
+  return "lr" in df.columns and pd.to_numeric(df["lr"], errors="coerce").dropna().nunique() >= 2
 
 
-LR_COLUMNS = ["n_lr", "lrs", "best_lr", "best_final_loss", "loss_init", "n_diverged", "lr_sensitivity"]
+LR_COLUMNS = [
+  "n_lr",
+  "lrs",
+  "best_lr",
+  "best_final_loss",
+  "loss_init",
+  "n_diverged",
+  "lr_sensitivity",
+]
 
 
 def lr_sensitivity_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Wortsman et al.'s LR sensitivity per group of runs that differ only in ``lr``.
+  """Wortsman et al.'s LR sensitivity per group of runs that differ only in ``lr``.
 
-    Groups: equal values of every identifying column of ``df`` except ``run`` and ``lr``
-    (the other sweep axes, seed included). Only runs with logged metrics (``steps > 0``)
-    take part; a run whose ``final_loss`` is NaN/inf counts as diverged. Per group:
-    ``lr_sensitivity = spikes.lr_sensitivity({lr: final_loss}, loss_init)`` =
-    ``mean_lr min(final_loss(lr), loss_init) - min_lr min(final_loss, loss_init)`` with
-    ``loss_init`` the mean of the group's first logged losses (equal for runs sharing model
-    and seed). Runs sharing an lr within a group are averaged. A group with fewer than two
-    learning rates gets NaN. No lr axis -> an empty frame with the columns.
-    """
-    group_cols = [c for c in _id_columns(df) if c not in ("run", "lr")]
-    if not has_lr_axis(df):
-        return pd.DataFrame(columns=[*group_cols, *LR_COLUMNS])
-    d = df[df["steps"] > 0].copy()
-    d["_lr"] = pd.to_numeric(d["lr"], errors="coerce")
-    d = d[d["_lr"].notna()]
-    rows = []
-    keyed = d.groupby(group_cols, dropna=False, sort=False) if group_cols else [((), d)]
-    for key, g in keyed:
-        key = key if isinstance(key, tuple) else (key,)
-        per_lr = g.groupby("_lr")["final_loss"].mean().sort_index()
-        init = g["loss_init"][np.isfinite(g["loss_init"])]
-        loss_init = float(init.mean()) if len(init) else math.nan
-        finite = per_lr[np.isfinite(per_lr)]
-        n_lr = len(per_lr)
-        if n_lr >= 2 and math.isfinite(loss_init):
-            sens = lr_sensitivity(per_lr.to_dict(), loss_init)
-        else:
-            sens = math.nan
-        rows.append({
-            **dict(zip(group_cols, key)),
-            "n_lr": n_lr,
-            "lrs": ", ".join(f"{x:g}" for x in per_lr.index),
-            "best_lr": float(finite.idxmin()) if len(finite) else math.nan,
-            "best_final_loss": float(finite.min()) if len(finite) else math.nan,
-            "loss_init": loss_init,
-            "n_diverged": int((~np.isfinite(per_lr)).sum()),
-            "lr_sensitivity": sens,
-        })
-    out = pd.DataFrame(rows, columns=[*group_cols, *LR_COLUMNS])
-    out.attrs = {"group_columns": group_cols}
-    return out
+  Groups: equal values of every identifying column of ``df`` except ``run`` and ``lr``
+  (the other sweep axes, seed included). Only runs with logged metrics (``steps > 0``)
+  take part; a run whose ``final_loss`` is NaN/inf counts as diverged. Per group:
+  ``lr_sensitivity = spikes.lr_sensitivity({lr: final_loss}, loss_init)`` =
+  ``mean_lr min(final_loss(lr), loss_init) - min_lr min(final_loss, loss_init)`` with
+  ``loss_init`` the mean of the group's first logged losses (equal for runs sharing model
+  and seed). Runs sharing an lr within a group are averaged. A group with fewer than two
+  learning rates gets NaN. No lr axis -> an empty frame with the columns.
+  """
+  group_cols = [c for c in _id_columns(df) if c not in ("run", "lr")]
+  if not has_lr_axis(df):
+    return pd.DataFrame(columns=[*group_cols, *LR_COLUMNS])
+  d = df[df["steps"] > 0].copy()
+  d["_lr"] = pd.to_numeric(d["lr"], errors="coerce")
+  d = d[d["_lr"].notna()]
+  rows = []
+  keyed = d.groupby(group_cols, dropna=False, sort=False) if group_cols else [((), d)]
+  for key, g in keyed:
+    key = key if isinstance(key, tuple) else (key,)
+    per_lr = g.groupby("_lr")["final_loss"].mean().sort_index()
+    init = g["loss_init"][np.isfinite(g["loss_init"])]
+    loss_init = float(init.mean()) if len(init) else math.nan
+    finite = per_lr[np.isfinite(per_lr)]
+    n_lr = len(per_lr)
+    if n_lr >= 2 and math.isfinite(loss_init):
+      sens = lr_sensitivity(per_lr.to_dict(), loss_init)
+    else:
+      sens = math.nan
+    rows.append(
+      {
+        **dict(zip(group_cols, key)),
+        "n_lr": n_lr,
+        "lrs": ", ".join(f"{x:g}" for x in per_lr.index),
+        "best_lr": float(finite.idxmin()) if len(finite) else math.nan,
+        "best_final_loss": float(finite.min()) if len(finite) else math.nan,
+        "loss_init": loss_init,
+        "n_diverged": int((~np.isfinite(per_lr)).sum()),
+        "lr_sensitivity": sens,
+      }
+    )
+  out = pd.DataFrame(rows, columns=[*group_cols, *LR_COLUMNS])
+  out.attrs = {"group_columns": group_cols}
+  return out
 
 
 # =========================================================================== seeds
@@ -479,441 +520,513 @@ _MIXER_ORDER = ("residual", "hc", "mhc", "mhc_lite")
 
 
 def _mixer_order(values) -> list:
-    names = list(dict.fromkeys(str(v) for v in values if v is not None and v is not pd.NA))
-    return [m for m in _MIXER_ORDER if m in names] + sorted(m for m in names if m not in _MIXER_ORDER)
+  names = list(dict.fromkeys(str(v) for v in values if v is not None and v is not pd.NA))
+  return [m for m in _MIXER_ORDER if m in names] + sorted(m for m in names if m not in _MIXER_ORDER)
 
 
 def group_columns(df: pd.DataFrame) -> list[str]:
-    """The columns that define a group of seeds: every identifying column but ``run`` and ``seed``."""
-    return [c for c in _id_columns(df) if c not in ("run", "seed")]
+  """The columns that define a group of seeds: every identifying column but ``run`` and ``seed``."""
+  return [c for c in _id_columns(df) if c not in ("run", "seed")]
 
 
 def groups_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Runs that differ only in the seed, summarised: one row per group (equal values of
-    :func:`group_columns`) with the group columns, ``n_runs`` (runs in the manifest),
-    ``n_seeds`` (runs with logged metrics, the ones that count), ``seeds``, then for each of
-    :data:`GROUP_METRICS` ``<metric>_mean``, ``<metric>_ci_lo``, ``<metric>_ci_hi``: the mean
-    over the group's seeds and its 95% Student t interval (:mod:`mhc_jax.sweep.stats`; a NaN
-    or inf in any seed makes the mean NaN/inf and the interval NaN; one seed has no interval).
-    A sweep without seeds gives one row per run with ``n_seeds`` 1.
-    """
-    gcols = group_columns(df)
-    metrics = [m for m in GROUP_METRICS if m in df.columns]
-    unit = "seed" if "seed" in df.columns else None
-    parts = []
-    for key, g in stats.split(df, gcols):
-        done = g[g["steps"] > 0]
-        row = stats.group_stats(done, [], metrics, unit_col=unit)
-        if not len(done):
-            row = pd.DataFrame([{"n_seeds": 0, "seeds": "",
-                                 **{f"{m}_{s}": math.nan for m in metrics for s in ("mean", "ci_lo", "ci_hi")}}])
-        for c, v in reversed(list(zip(gcols, key))):
-            row.insert(0, c, [v])
-        row.insert(len(gcols), "n_runs", [len(g)])
-        parts.append(row)
-    cols = [*gcols, "n_runs", "n_seeds", "seeds"] + [f"{m}_{s}" for m in metrics for s in ("mean", "ci_lo", "ci_hi")]
-    out = pd.concat(parts, ignore_index=True)[cols] if parts else pd.DataFrame(columns=cols)
-    for c in gcols:
-        if c in df.columns and str(df[c].dtype) == "Int64":
-            out[c] = out[c].astype("Int64")
-    out.attrs = {"group_columns": gcols, "metrics": metrics}
-    return out
+  """Runs that differ only in the seed, summarised: one row per group (equal values of
+  :func:`group_columns`) with the group columns, ``n_runs`` (runs in the manifest),
+  ``n_seeds`` (runs with logged metrics, the ones that count), ``seeds``, then for each of
+  :data:`GROUP_METRICS` ``<metric>_mean``, ``<metric>_ci_lo``, ``<metric>_ci_hi``: the mean
+  over the group's seeds and its 95% Student t interval (:mod:`mhc_jax.sweep.stats`; a NaN
+  or inf in any seed makes the mean NaN/inf and the interval NaN; one seed has no interval).
+  A sweep without seeds gives one row per run with ``n_seeds`` 1.
+  """
+  gcols = group_columns(df)
+  metrics = [m for m in GROUP_METRICS if m in df.columns]
+  unit = "seed" if "seed" in df.columns else None
+  parts = []
+  for key, g in stats.split(df, gcols):
+    done = g[g["steps"] > 0]
+    row = stats.group_stats(done, [], metrics, unit_col=unit)
+    if not len(done):
+      row = pd.DataFrame(
+        [
+          {
+            "n_seeds": 0,
+            "seeds": "",
+            **{f"{m}_{s}": math.nan for m in metrics for s in ("mean", "ci_lo", "ci_hi")},
+          }
+        ]
+      )
+    for c, v in reversed(list(zip(gcols, key))):
+      row.insert(0, c, [v])
+    row.insert(len(gcols), "n_runs", [len(g)])
+    parts.append(row)
+  cols = [*gcols, "n_runs", "n_seeds", "seeds"] + [
+    f"{m}_{s}" for m in metrics for s in ("mean", "ci_lo", "ci_hi")
+  ]
+  out = pd.concat(parts, ignore_index=True)[cols] if parts else pd.DataFrame(columns=cols)
+  for c in gcols:
+    if c in df.columns and str(df[c].dtype) == "Int64":
+      out[c] = out[c].astype("Int64")
+  out.attrs = {"group_columns": gcols, "metrics": metrics}
+  return out
 
 
-PAIRED_METRICS_SHOWN = ["final_loss", "kl_bits", "spike_count", "max_grad_norm", "amax_fwd_composite_tok_mean_max",
-                        "amax_bwd_composite_tok_mean_max", "amax_fwd_composite_max", "amax_bwd_composite_max"]
+PAIRED_METRICS_SHOWN = [
+  "final_loss",
+  "kl_bits",
+  "spike_count",
+  "max_grad_norm",
+  "amax_fwd_composite_tok_mean_max",
+  "amax_bwd_composite_tok_mean_max",
+  "amax_fwd_composite_max",
+  "amax_bwd_composite_max",
+]
 
 
 def paired_table(df: pd.DataFrame) -> pd.DataFrame:
-    """Paired differences between mixers by seed: for each group of the other identifying
-    columns (depth, width, lr ...), each pair of mixers ``mixer_a`` before ``mixer_b`` (order:
-    residual, hc, mhc, mhc_lite, then by name) and each of :data:`GROUP_METRICS`, the runs of
-    the two mixers that share a seed are paired and the row holds ``n_pairs``, ``seeds``,
-    ``mean_a``, ``mean_b`` and the mean and 95% Student t interval of ``b - a``
-    (``diff_mean``, ``diff_ci_lo``, ``diff_ci_hi``). Only runs with logged metrics count. An
-    empty frame (with the columns) when fewer than two mixers have results.
-    """
-    context = [c for c in group_columns(df) if c != "mixer"]
-    metrics = [m for m in GROUP_METRICS if m in df.columns]
-    cols = [*context, "mixer_a", "mixer_b", *stats.PAIRED_COLUMNS[2:]]
-    if "mixer" not in df.columns:
-        return pd.DataFrame(columns=cols)
-    done = df[df["steps"] > 0]
-    if done["mixer"].astype(str).nunique() < 2:
-        return pd.DataFrame(columns=cols)
-    done = done.assign(mixer=done["mixer"].astype(str))
-    out = stats.paired_stats(done, "mixer", context, metrics, unit_col="seed", order=_mixer_order(done["mixer"]))
-    out = out.rename(columns={"a": "mixer_a", "b": "mixer_b"})[cols]
-    out.attrs = {"context_columns": context}
-    return out
+  """Paired differences between mixers by seed: for each group of the other identifying
+  columns (depth, width, lr ...), each pair of mixers ``mixer_a`` before ``mixer_b`` (order:
+  residual, hc, mhc, mhc_lite, then by name) and each of :data:`GROUP_METRICS`, the runs of
+  the two mixers that share a seed are paired and the row holds ``n_pairs``, ``seeds``,
+  ``mean_a``, ``mean_b`` and the mean and 95% Student t interval of ``b - a``
+  (``diff_mean``, ``diff_ci_lo``, ``diff_ci_hi``). Only runs with logged metrics count. An
+  empty frame (with the columns) when fewer than two mixers have results.
+  """
+  context = [c for c in group_columns(df) if c != "mixer"]
+  metrics = [m for m in GROUP_METRICS if m in df.columns]
+  cols = [*context, "mixer_a", "mixer_b", *stats.PAIRED_COLUMNS[2:]]
+  if "mixer" not in df.columns:
+    return pd.DataFrame(columns=cols)
+  done = df[df["steps"] > 0]
+  if done["mixer"].astype(str).nunique() < 2:
+    return pd.DataFrame(columns=cols)
+  done = done.assign(mixer=done["mixer"].astype(str))
+  out = stats.paired_stats(
+    done, "mixer", context, metrics, unit_col="seed", order=_mixer_order(done["mixer"])
+  )
+  out = out.rename(columns={"a": "mixer_a", "b": "mixer_b"})[cols]
+  out.attrs = {"context_columns": context}
+  return out
 
 
 def _ci_text(mean: float, lo: float, hi: float) -> str:
-    if not math.isfinite(lo) or not math.isfinite(hi):
-        return _fmt(mean)
-    return f"{_fmt(mean)} [{_fmt(lo)}, {_fmt(hi)}]"
+  if not math.isfinite(lo) or not math.isfinite(hi):
+    return _fmt(mean)
+  return f"{_fmt(mean)} [{_fmt(lo)}, {_fmt(hi)}]"
 
 
 def _groups_display(groups: pd.DataFrame) -> pd.DataFrame:
-    """The groups with "mean [ci_lo, ci_hi]" cells for the main metrics (the page and summary.md)."""
-    shown = ["final_loss", "kl_bits", "spike_count", "max_grad_norm", "amax_fwd_composite_max",
-             "amax_fwd_composite_tok_mean_max", "amax_bwd_composite_max", "amax_bwd_composite_tok_mean_max"]
-    out = groups[[*groups.attrs.get("group_columns", []), "n_seeds"]].copy()
-    for m in shown:
-        if f"{m}_mean" not in groups.columns or not groups[f"{m}_mean"].notna().any():
-            continue
-        out[m] = [_ci_text(a, b, c) for a, b, c in zip(groups[f"{m}_mean"], groups[f"{m}_ci_lo"],
-                                                        groups[f"{m}_ci_hi"])]
-    return out
+  """The groups with "mean [ci_lo, ci_hi]" cells for the main metrics (the page and summary.md)."""
+  shown = [
+    "final_loss",
+    "kl_bits",
+    "spike_count",
+    "max_grad_norm",
+    "amax_fwd_composite_max",
+    "amax_fwd_composite_tok_mean_max",
+    "amax_bwd_composite_max",
+    "amax_bwd_composite_tok_mean_max",
+  ]
+  out = groups[[*groups.attrs.get("group_columns", []), "n_seeds"]].copy()
+  for m in shown:
+    if f"{m}_mean" not in groups.columns or not groups[f"{m}_mean"].notna().any():
+      continue
+    out[m] = [
+      _ci_text(a, b, c)
+      for a, b, c in zip(groups[f"{m}_mean"], groups[f"{m}_ci_lo"], groups[f"{m}_ci_hi"])
+    ]
+  return out
 
 
 def _paired_display(paired: pd.DataFrame) -> pd.DataFrame:
-    """One row per (context, mixer pair), one "b - a" cell per main metric: mean [95% CI], with
-    a trailing * where the interval excludes 0."""
-    ctx = paired.attrs.get("context_columns", [])
-    d = paired[paired["metric"].isin(PAIRED_METRICS_SHOWN)]
-    shown = [m for m in PAIRED_METRICS_SHOWN if d.loc[d["metric"] == m, "diff_mean"].notna().any()]
-    rows = []
-    for key, g in stats.split(d, [*ctx, "mixer_a", "mixer_b"]):
-        row = dict(zip([*ctx, "mixer_a", "mixer_b"], key))
-        row["n_pairs"] = int(g["n_pairs"].max())
-        by = g.set_index("metric")
-        for m in shown:
-            if m not in by.index:
-                row[f"Δ {m}"] = ""
-                continue
-            mean, lo, hi = (float(by.loc[m, c]) for c in ("diff_mean", "diff_ci_lo", "diff_ci_hi"))
-            star = " *" if math.isfinite(lo) and math.isfinite(hi) and (lo > 0 or hi < 0) else ""
-            row[f"Δ {m}"] = _ci_text(mean, lo, hi) + star
-        rows.append(row)
-    return pd.DataFrame(rows, columns=[*ctx, "mixer_a", "mixer_b", "n_pairs", *(f"Δ {m}" for m in shown)])
+  """One row per (context, mixer pair), one "b - a" cell per main metric: mean [95% CI], with
+  a trailing * where the interval excludes 0."""
+  ctx = paired.attrs.get("context_columns", [])
+  d = paired[paired["metric"].isin(PAIRED_METRICS_SHOWN)]
+  shown = [m for m in PAIRED_METRICS_SHOWN if d.loc[d["metric"] == m, "diff_mean"].notna().any()]
+  rows = []
+  for key, g in stats.split(d, [*ctx, "mixer_a", "mixer_b"]):
+    row = dict(zip([*ctx, "mixer_a", "mixer_b"], key))
+    row["n_pairs"] = int(g["n_pairs"].max())
+    by = g.set_index("metric")
+    for m in shown:
+      if m not in by.index:
+        row[f"Δ {m}"] = ""
+        continue
+      mean, lo, hi = (float(by.loc[m, c]) for c in ("diff_mean", "diff_ci_lo", "diff_ci_hi"))
+      star = " *" if math.isfinite(lo) and math.isfinite(hi) and (lo > 0 or hi < 0) else ""
+      row[f"Δ {m}"] = _ci_text(mean, lo, hi) + star
+    rows.append(row)
+  return pd.DataFrame(
+    rows, columns=[*ctx, "mixer_a", "mixer_b", "n_pairs", *(f"Δ {m}" for m in shown)]
+  )
 
 
 # =========================================================================== the sentence
 #: Thresholds of :func:`finding` (what counts as a difference worth a sentence).
 FINDING_RULES = {
-    "learned_ratio": 0.25,     # a mixer "learned" where its KL is at most this fraction of the worst mixer's
-    "learned_gap_bits": 0.1,   # ... and the worst is at least this many bits above it
-    "growth_ratio": 1.5,       # a composite gain "grew" when deepest / shallowest >= this
-    "flat_ratio": 1.2,         # ... and "stayed" within a band when max / min over depths <= this
-    "loss_rel_gap": 0.03,      # final losses differ when the relative gap is at least 3%
+  "learned_ratio": 0.25,  # a mixer "learned" where its KL is at most this fraction of the worst mixer's
+  "learned_gap_bits": 0.1,  # ... and the worst is at least this many bits above it
+  "growth_ratio": 1.5,  # a composite gain "grew" when deepest / shallowest >= this
+  "flat_ratio": 1.2,  # ... and "stayed" within a band when max / min over depths <= this
+  "loss_rel_gap": 0.03,  # final losses differ when the relative gap is at least 3%
 }
 
 
 def _num_series(s: pd.Series) -> np.ndarray:
-    return pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+  return pd.to_numeric(s, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
 
 
 def _g(v: float) -> str:
-    """A number for a sentence: 3 significant digits, plain notation where reasonable."""
-    if not math.isfinite(v):
-        return _fmt(v)
-    if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
-        return f"{v:.2g}"
-    return f"{v:.3g}"
+  """A number for a sentence: 3 significant digits, plain notation where reasonable."""
+  if not math.isfinite(v):
+    return _fmt(v)
+  if v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
+    return f"{v:.2g}"
+  return f"{v:.3g}"
 
 
 def _band(lo: float, hi: float) -> str:
-    """"1.00–1.02": both ends with the decimals that tell them apart (2 to 4); one number where
-    they agree to 4 decimals."""
-    if abs(hi) >= 1e4 or abs(lo) >= 1e4:
-        return f"{_g(lo)}–{_g(hi)}" if _g(lo) != _g(hi) else _g(lo)
-    for dec in range(2, 5):
-        if f"{lo:.{dec}f}" != f"{hi:.{dec}f}":
-            return f"{lo:.{dec}f}–{hi:.{dec}f}"
-    return f"{lo:.2f}"
+  """ "1.00–1.02": both ends with the decimals that tell them apart (2 to 4); one number where
+  they agree to 4 decimals."""
+  if abs(hi) >= 1e4 or abs(lo) >= 1e4:
+    return f"{_g(lo)}–{_g(hi)}" if _g(lo) != _g(hi) else _g(lo)
+  for dec in range(2, 5):
+    if f"{lo:.{dec}f}" != f"{hi:.{dec}f}":
+      return f"{lo:.{dec}f}–{hi:.{dec}f}"
+  return f"{lo:.2f}"
 
 
 def _join(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+  return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def finding(df: pd.DataFrame) -> str:
-    """ONE plain sentence saying what differs between the mixers of a sweep, from the numbers
-    of its summary table (:func:`summary_table`); never fixed text.
+  """ONE plain sentence saying what differs between the mixers of a sweep, from the numbers
+  of its summary table (:func:`summary_table`); never fixed text.
 
-    The first of these that the numbers show is said (thresholds in :data:`FINDING_RULES`):
-    some mixer's runs diverged (final loss NaN/inf) and another's did not; a mixer learned the
-    wind tunnel (KL to the exact posterior at most 1/4 of the worst mixer's and 0.1 bits below
-    it) while another did not; a mixer's composite Amax gain (per-token mean where logged,
-    else token-averaged; forward or backward, whichever grew more) grew with depth by 1.5x or
-    more while another's grew much less; a mixer had loss/gradient spikes and another none;
-    final losses differ by 3% or more (with seeds: only where the paired 95% interval over
-    seeds excludes 0). Otherwise it says the mixers did not differ clearly, with the ranges.
-    Runs sharing a mixer and depth (seeds, other axes) are averaged; "(means over N seeds)"
-    says so where the sentence quotes means (counts of runs and spikes are totals).
-    """
-    d = df[df["steps"] > 0] if "steps" in df.columns else df
-    if not len(d):
-        return "No run has logged metrics yet, so there is nothing to compare."
-    if "mixer" not in d.columns or d["mixer"].astype(str).nunique() < 2:
-        m = str(d["mixer"].iloc[0]) if "mixer" in d.columns else "one configuration"
-        loss = _num_series(d["final_loss"])
-        loss = loss[np.isfinite(loss)]
-        tail = f" (final loss {_band(loss.min(), loss.max())})" if loss.size else ""
-        return f"Only one mixer ({m}) has results{tail}, so there is no comparison between mixers."
-    d = d.assign(mixer=d["mixer"].astype(str), _depth=_num_series(d["depth"]) if "depth" in d.columns else np.nan)
-    order = _mixer_order(d["mixer"])
-    depths = sorted(x for x in d["_depth"].unique() if np.isfinite(x))
-    seeds_n = 1
-    if "seed" in d.columns:
-        per = d.groupby(["mixer", "_depth"], dropna=False)["seed"].nunique()
-        seeds_n = int(per.max()) if len(per) else 1
-    suffix = f" (means over {seeds_n} seeds)" if seeds_n > 1 else ""
-    for rule, means in ((_finding_divergence, False), (_finding_learning, True), (_finding_growth, True),
-                        (_finding_spikes, False), (_finding_loss, True)):
-        text = rule(d, order, depths)
-        if text:
-            return text.rstrip(".") + (suffix if means else "") + "."
-    return _finding_none(d, order) + suffix + "."
+  The first of these that the numbers show is said (thresholds in :data:`FINDING_RULES`):
+  some mixer's runs diverged (final loss NaN/inf) and another's did not; a mixer learned the
+  wind tunnel (KL to the exact posterior at most 1/4 of the worst mixer's and 0.1 bits below
+  it) while another did not; a mixer's composite Amax gain (per-token mean where logged,
+  else token-averaged; forward or backward, whichever grew more) grew with depth by 1.5x or
+  more while another's grew much less; a mixer had loss/gradient spikes and another none;
+  final losses differ by 3% or more (with seeds: only where the paired 95% interval over
+  seeds excludes 0). Otherwise it says the mixers did not differ clearly, with the ranges.
+  Runs sharing a mixer and depth (seeds, other axes) are averaged; "(means over N seeds)"
+  says so where the sentence quotes means (counts of runs and spikes are totals).
+  """
+  d = df[df["steps"] > 0] if "steps" in df.columns else df
+  if not len(d):
+    return "No run has logged metrics yet, so there is nothing to compare."
+  if "mixer" not in d.columns or d["mixer"].astype(str).nunique() < 2:
+    m = str(d["mixer"].iloc[0]) if "mixer" in d.columns else "one configuration"
+    loss = _num_series(d["final_loss"])
+    loss = loss[np.isfinite(loss)]
+    tail = f" (final loss {_band(loss.min(), loss.max())})" if loss.size else ""
+    return f"Only one mixer ({m}) has results{tail}, so there is no comparison between mixers."
+  d = d.assign(
+    mixer=d["mixer"].astype(str), _depth=_num_series(d["depth"]) if "depth" in d.columns else np.nan
+  )
+  order = _mixer_order(d["mixer"])
+  depths = sorted(x for x in d["_depth"].unique() if np.isfinite(x))
+  seeds_n = 1
+  if "seed" in d.columns:
+    per = d.groupby(["mixer", "_depth"], dropna=False)["seed"].nunique()
+    seeds_n = int(per.max()) if len(per) else 1
+  suffix = f" (means over {seeds_n} seeds)" if seeds_n > 1 else ""
+  for rule, means in (
+    (_finding_divergence, False),
+    (_finding_learning, True),
+    (_finding_growth, True),
+    (_finding_spikes, False),
+    (_finding_loss, True),
+  ):
+    text = rule(d, order, depths)
+    if text:
+      return text.rstrip(".") + (suffix if means else "") + "."
+  return _finding_none(d, order) + suffix + "."
 
 
 def _at(depth: float, depths: list) -> str:
-    return f"at depth {_g(depth)}" if len(depths) > 1 and math.isfinite(depth) else ""
+  return f"at depth {_g(depth)}" if len(depths) > 1 and math.isfinite(depth) else ""
 
 
 def _by(d: pd.DataFrame, col: str) -> pd.DataFrame:
-    """Mean of ``col`` per (mixer, depth), non-finite propagated; a frame mixer x depth."""
-    vals = d.assign(_v=_num_series(d[col]))
-    return vals.groupby(["mixer", "_depth"], dropna=False)["_v"].apply(lambda s: float(np.mean(s))).unstack()
+  """Mean of ``col`` per (mixer, depth), non-finite propagated; a frame mixer x depth."""
+  vals = d.assign(_v=_num_series(d[col]))
+  return (
+    vals.groupby(["mixer", "_depth"], dropna=False)["_v"]
+    .apply(lambda s: float(np.mean(s)))
+    .unstack()
+  )
 
 
 def _finding_divergence(d, order, depths) -> str | None:
-    loss = _num_series(d["final_loss"])
-    bad = d.assign(_bad=~np.isfinite(loss))
-    counts = {m: (int(g["_bad"].sum()), len(g)) for m, g in bad.groupby("mixer")}
-    if not any(k for k, _ in counts.values()) or len({k / n for k, n in counts.values()}) == 1:
-        return None
-    hit = [m for m in order if counts[m][0]]
-    clean = [m for m in order if not counts[m][0]]
-    parts = []
-    for m in hit:
-        k, n = counts[m]
-        where = sorted(bad[(bad["mixer"] == m) & bad["_bad"]]["_depth"].unique())
-        at = f" (depth {_join([_g(x) for x in where])})" if len(depths) > 1 and where else ""
-        parts.append(f"{m} diverged in {k} of {n} runs{at}")
-    text = _join(parts)
-    if clean:
-        text += f" while {_join(clean)} never did"
-    return text
+  loss = _num_series(d["final_loss"])
+  bad = d.assign(_bad=~np.isfinite(loss))
+  counts = {m: (int(g["_bad"].sum()), len(g)) for m, g in bad.groupby("mixer")}
+  if not any(k for k, _ in counts.values()) or len({k / n for k, n in counts.values()}) == 1:
+    return None
+  hit = [m for m in order if counts[m][0]]
+  clean = [m for m in order if not counts[m][0]]
+  parts = []
+  for m in hit:
+    k, n = counts[m]
+    where = sorted(bad[(bad["mixer"] == m) & bad["_bad"]]["_depth"].unique())
+    at = f" (depth {_join([_g(x) for x in where])})" if len(depths) > 1 and where else ""
+    parts.append(f"{m} diverged in {k} of {n} runs{at}")
+  text = _join(parts)
+  if clean:
+    text += f" while {_join(clean)} never did"
+  return text
 
 
 def _finding_learning(d, order, depths) -> str | None:
-    if "kl_bits" not in d.columns:
-        return None
-    kl = _by(d, "kl_bits")
-    r = FINDING_RULES
-    for depth in sorted(kl.columns, key=lambda x: -x if np.isfinite(x) else math.inf):
-        col = kl[depth].dropna()
-        col = col[np.isfinite(col)]
-        if len(col) < 2:
-            continue
-        worst, best = col.max(), col.min()
-        if best > r["learned_ratio"] * worst or worst - best < r["learned_gap_bits"]:
-            continue
-        good = [m for m in order if m in col and col[m] <= r["learned_ratio"] * worst]
-        poor = [m for m in order if m in col and col[m] >= 0.75 * worst]
-        mid = [m for m in order if m in col and m not in good and m not in poor]
-        at = _at(depth, depths)
-        head = (at[0].upper() + at[1:] + ", ") if at else ""
-        text = (f"{head}{_join(good)} learned the task (KL {_join([_g(col[m]) for m in good])} bits to the exact "
-                f"posterior) while {_join(poor)} did not ({_join([_g(col[m]) for m in poor])} bits)")
-        if mid:
-            text += f", with {_join(mid)} in between ({_join([_g(col[m]) for m in mid])} bits)"
-        return text
+  if "kl_bits" not in d.columns:
     return None
+  kl = _by(d, "kl_bits")
+  r = FINDING_RULES
+  for depth in sorted(kl.columns, key=lambda x: -x if np.isfinite(x) else math.inf):
+    col = kl[depth].dropna()
+    col = col[np.isfinite(col)]
+    if len(col) < 2:
+      continue
+    worst, best = col.max(), col.min()
+    if best > r["learned_ratio"] * worst or worst - best < r["learned_gap_bits"]:
+      continue
+    good = [m for m in order if m in col and col[m] <= r["learned_ratio"] * worst]
+    poor = [m for m in order if m in col and col[m] >= 0.75 * worst]
+    mid = [m for m in order if m in col and m not in good and m not in poor]
+    at = _at(depth, depths)
+    head = (at[0].upper() + at[1:] + ", ") if at else ""
+    text = (
+      f"{head}{_join(good)} learned the task (KL {_join([_g(col[m]) for m in good])} bits to the exact "
+      f"posterior) while {_join(poor)} did not ({_join([_g(col[m]) for m in poor])} bits)"
+    )
+    if mid:
+      text += f", with {_join(mid)} in between ({_join([_g(col[m]) for m in mid])} bits)"
+    return text
+  return None
 
 
 def _finding_growth(d, order, depths) -> str | None:
-    if len(depths) < 2:
-        return None
-    r = FINDING_RULES
-    best = None
-    for kind, pattern in (("per-token", "amax_{}_composite_tok_mean_max"), ("token-averaged", "amax_{}_composite_max")):
-        for direction in ("fwd", "bwd"):
-            col = pattern.format(direction)
-            if col not in d.columns:
-                continue
-            tab = _by(d, col)
-            tab = tab[[c for c in tab.columns if np.isfinite(c)]]
-            lo_d, hi_d = min(tab.columns), max(tab.columns)
-            if lo_d == hi_d:
-                continue
-            ok = tab[np.isfinite(tab[lo_d]) & np.isfinite(tab[hi_d]) & (tab[lo_d] > 0)]
-            if len(ok) < 2:
-                continue
-            ratio = ok[hi_d] / ok[lo_d]
-            top = ratio.idxmax()
-            if ratio[top] < r["growth_ratio"] or ok.loc[top, hi_d] < r["growth_ratio"]:
-                continue
-            if best is None or (kind == best[0] and ratio[top] > best[4][best[3]]):
-                best = (kind, direction, ok, top, ratio, lo_d, hi_d)
-        if best is not None:
-            break  # prefer the per-token measure where it shows the growth
-    if best is None:
-        return None
-    kind, direction, ok, top, ratio, lo_d, hi_d = best
-    rest = [m for m in order if m in ok.index and m != top and ratio[m] * r["growth_ratio"] <= ratio[top]]
-    if not rest:
-        return None
-    word = {"fwd": "forward", "bwd": "backward"}[direction]
-    text = (f"{top}'s {kind} {word} composite gain grew from {_g(ok.loc[top, lo_d])} at depth {_g(lo_d)} to "
-            f"{_g(ok.loc[top, hi_d])} at depth {_g(hi_d)}")
-    flat = []
-    for m in rest:
-        vals = ok.loc[m].to_numpy(dtype=float)
-        vals = vals[np.isfinite(vals) & (vals > 0)]
-        if vals.size and vals.max() / vals.min() <= r["flat_ratio"]:
-            flat.append((m, vals.min(), vals.max()))
-    if flat:
-        lo = min(v for _, v, _ in flat)
-        hi = max(v for _, _, v in flat)
-        names = [f"{m}'s" for m, _, _ in flat]
-        band = _band(lo, hi)
-        text += f" while {_join(names)} stayed " + (f"within {band}" if "–" in band else f"at {band}")
-    else:
-        m = min(rest, key=lambda x: ratio[x])
-        text += f" while {m}'s went only from {_g(ok.loc[m, lo_d])} to {_g(ok.loc[m, hi_d])}"
-    return text
+  if len(depths) < 2:
+    return None
+  r = FINDING_RULES
+  best = None
+  for kind, pattern in (
+    ("per-token", "amax_{}_composite_tok_mean_max"),
+    ("token-averaged", "amax_{}_composite_max"),
+  ):
+    for direction in ("fwd", "bwd"):
+      col = pattern.format(direction)
+      if col not in d.columns:
+        continue
+      tab = _by(d, col)
+      tab = tab[[c for c in tab.columns if np.isfinite(c)]]
+      lo_d, hi_d = min(tab.columns), max(tab.columns)
+      if lo_d == hi_d:
+        continue
+      ok = tab[np.isfinite(tab[lo_d]) & np.isfinite(tab[hi_d]) & (tab[lo_d] > 0)]
+      if len(ok) < 2:
+        continue
+      ratio = ok[hi_d] / ok[lo_d]
+      top = ratio.idxmax()
+      if ratio[top] < r["growth_ratio"] or ok.loc[top, hi_d] < r["growth_ratio"]:
+        continue
+      if best is None or (kind == best[0] and ratio[top] > best[4][best[3]]):
+        best = (kind, direction, ok, top, ratio, lo_d, hi_d)
+    if best is not None:
+      break  # prefer the per-token measure where it shows the growth
+  if best is None:
+    return None
+  kind, direction, ok, top, ratio, lo_d, hi_d = best
+  rest = [
+    m for m in order if m in ok.index and m != top and ratio[m] * r["growth_ratio"] <= ratio[top]
+  ]
+  if not rest:
+    return None
+  word = {"fwd": "forward", "bwd": "backward"}[direction]
+  text = (
+    f"{top}'s {kind} {word} composite gain grew from {_g(ok.loc[top, lo_d])} at depth {_g(lo_d)} to "
+    f"{_g(ok.loc[top, hi_d])} at depth {_g(hi_d)}"
+  )
+  flat = []
+  for m in rest:
+    vals = ok.loc[m].to_numpy(dtype=float)
+    vals = vals[np.isfinite(vals) & (vals > 0)]
+    if vals.size and vals.max() / vals.min() <= r["flat_ratio"]:
+      flat.append((m, vals.min(), vals.max()))
+  if flat:
+    lo = min(v for _, v, _ in flat)
+    hi = max(v for _, _, v in flat)
+    names = [f"{m}'s" for m, _, _ in flat]
+    band = _band(lo, hi)
+    text += f" while {_join(names)} stayed " + (f"within {band}" if "–" in band else f"at {band}")
+  else:
+    m = min(rest, key=lambda x: ratio[x])
+    text += f" while {m}'s went only from {_g(ok.loc[m, lo_d])} to {_g(ok.loc[m, hi_d])}"
+  return text
 
 
 def _finding_spikes(d, order, depths) -> str | None:
-    if "spike_count" not in d.columns:
-        return None
-    sc = d.assign(_s=_num_series(d["spike_count"]))
-    tot = {m: (float(np.nansum(g["_s"])), len(g)) for m, g in sc.groupby("mixer")}
-    most = max(order, key=lambda m: tot[m][0])
-    none = [m for m in order if tot[m][0] == 0]
-    if tot[most][0] < 2:
-        return None
-    runs = lambda m: f"{tot[m][1]} run{'s' if tot[m][1] != 1 else ''}"  # noqa: E731
-    if none:
-        return (f"{most} had {int(tot[most][0])} loss/gradient spikes in its {runs(most)} while "
-                f"{_join(none)} had none")
-    least = min(order, key=lambda m: tot[m][0])
-    if tot[most][0] >= 3 * tot[least][0] and tot[most][0] - tot[least][0] >= 3:
-        return (f"{most} had {int(tot[most][0])} loss/gradient spikes in its {runs(most)}, {least} only "
-                f"{int(tot[least][0])} in {runs(least)}")
+  if "spike_count" not in d.columns:
     return None
+  sc = d.assign(_s=_num_series(d["spike_count"]))
+  tot = {m: (float(np.nansum(g["_s"])), len(g)) for m, g in sc.groupby("mixer")}
+  most = max(order, key=lambda m: tot[m][0])
+  none = [m for m in order if tot[m][0] == 0]
+  if tot[most][0] < 2:
+    return None
+  runs = lambda m: f"{tot[m][1]} run{'s' if tot[m][1] != 1 else ''}"  # noqa: E731
+  if none:
+    return (
+      f"{most} had {int(tot[most][0])} loss/gradient spikes in its {runs(most)} while "
+      f"{_join(none)} had none"
+    )
+  least = min(order, key=lambda m: tot[m][0])
+  if tot[most][0] >= 3 * tot[least][0] and tot[most][0] - tot[least][0] >= 3:
+    return (
+      f"{most} had {int(tot[most][0])} loss/gradient spikes in its {runs(most)}, {least} only "
+      f"{int(tot[least][0])} in {runs(least)}"
+    )
+  return None
 
 
 def _finding_loss(d, order, depths) -> str | None:
-    loss = _by(d, "final_loss")
-    paired = None
-    if "seed" in d.columns and d["seed"].nunique() > 1:
-        paired = paired_table(d.drop(columns=["_depth"]))
-        paired = paired[paired["metric"] == "final_loss"] if len(paired) else paired
-    for depth in sorted(loss.columns, key=lambda x: -x if np.isfinite(x) else math.inf):
-        col = loss[depth]
-        col = col[np.isfinite(col)]
-        if len(col) < 2:
-            continue
-        lo_m, hi_m = col.idxmin(), col.idxmax()
-        if (col[hi_m] - col[lo_m]) < FINDING_RULES["loss_rel_gap"] * abs(col[lo_m]):
-            continue
-        ci = ""
-        if paired is not None and len(paired):
-            sel = paired[paired["mixer_a"].isin([lo_m, hi_m]) & paired["mixer_b"].isin([lo_m, hi_m])]
-            if "depth" in sel.columns and np.isfinite(depth):
-                sel = sel[_num_series(sel["depth"]) == depth]
-            if len(sel):
-                row = sel.iloc[0]
-                lo, hi = float(row["diff_ci_lo"]), float(row["diff_ci_hi"])
-                if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 <= hi:
-                    continue  # not distinguishable from seed noise
-                sign = 1 if row["mixer_b"] == hi_m else -1
-                a, b = sorted((sign * lo, sign * hi))
-                ci = f"; paired difference {_g(col[hi_m] - col[lo_m])}, 95% CI [{_g(a)}, {_g(b)}] nats"
-        at = _at(depth, depths)
-        head = (at[0].upper() + at[1:] + ", ") if at else ""
-        return (f"{head}{lo_m} reached a lower final loss than {hi_m} ({_g(col[lo_m])} vs {_g(col[hi_m])} nats per "
-                f"token{ci})")
-    return None
+  loss = _by(d, "final_loss")
+  paired = None
+  if "seed" in d.columns and d["seed"].nunique() > 1:
+    paired = paired_table(d.drop(columns=["_depth"]))
+    paired = paired[paired["metric"] == "final_loss"] if len(paired) else paired
+  for depth in sorted(loss.columns, key=lambda x: -x if np.isfinite(x) else math.inf):
+    col = loss[depth]
+    col = col[np.isfinite(col)]
+    if len(col) < 2:
+      continue
+    lo_m, hi_m = col.idxmin(), col.idxmax()
+    if (col[hi_m] - col[lo_m]) < FINDING_RULES["loss_rel_gap"] * abs(col[lo_m]):
+      continue
+    ci = ""
+    if paired is not None and len(paired):
+      sel = paired[paired["mixer_a"].isin([lo_m, hi_m]) & paired["mixer_b"].isin([lo_m, hi_m])]
+      if "depth" in sel.columns and np.isfinite(depth):
+        sel = sel[_num_series(sel["depth"]) == depth]
+      if len(sel):
+        row = sel.iloc[0]
+        lo, hi = float(row["diff_ci_lo"]), float(row["diff_ci_hi"])
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 <= hi:
+          continue  # not distinguishable from seed noise
+        sign = 1 if row["mixer_b"] == hi_m else -1
+        a, b = sorted((sign * lo, sign * hi))
+        ci = f"; paired difference {_g(col[hi_m] - col[lo_m])}, 95% CI [{_g(a)}, {_g(b)}] nats"
+    at = _at(depth, depths)
+    head = (at[0].upper() + at[1:] + ", ") if at else ""
+    return (
+      f"{head}{lo_m} reached a lower final loss than {hi_m} ({_g(col[lo_m])} vs {_g(col[hi_m])} nats per "
+      f"token{ci})"
+    )
+  return None
 
 
 def _finding_none(d, order) -> str:
-    parts = []
-    loss = _num_series(d["final_loss"])
-    loss = loss[np.isfinite(loss)]
-    if loss.size:
-        parts.append(f"final losses {_band(loss.min(), loss.max())} nats")
-    if "kl_bits" in d.columns:
-        kl = _num_series(d["kl_bits"])
-        kl = kl[np.isfinite(kl)]
-        if kl.size:
-            parts.append(f"KL {_band(kl.min(), kl.max())} bits")
-    for col, name in (("amax_fwd_composite_tok_mean_max", "per-token composite gains"),
-                      ("amax_fwd_composite_max", "token-averaged composite gains")):
-        if col in d.columns:
-            g = _num_series(d[col])
-            g = g[np.isfinite(g)]
-            if g.size:
-                parts.append(f"{name} {_band(g.min(), g.max())}")
-                break
-    if "spike_count" in d.columns:
-        n = float(np.nansum(_num_series(d["spike_count"])))
-        parts.append("no spikes" if n == 0 else f"{int(n)} spikes in all")
-    return "The mixers did not differ clearly: " + (", ".join(parts) if parts else "no comparable numbers")
+  parts = []
+  loss = _num_series(d["final_loss"])
+  loss = loss[np.isfinite(loss)]
+  if loss.size:
+    parts.append(f"final losses {_band(loss.min(), loss.max())} nats")
+  if "kl_bits" in d.columns:
+    kl = _num_series(d["kl_bits"])
+    kl = kl[np.isfinite(kl)]
+    if kl.size:
+      parts.append(f"KL {_band(kl.min(), kl.max())} bits")
+  for col, name in (
+    ("amax_fwd_composite_tok_mean_max", "per-token composite gains"),
+    ("amax_fwd_composite_max", "token-averaged composite gains"),
+  ):
+    if col in d.columns:
+      g = _num_series(d[col])
+      g = g[np.isfinite(g)]
+      if g.size:
+        parts.append(f"{name} {_band(g.min(), g.max())}")
+        break
+  if "spike_count" in d.columns:
+    n = float(np.nansum(_num_series(d["spike_count"])))
+    parts.append("no spikes" if n == 0 else f"{int(n)} spikes in all")
+  return "The mixers did not differ clearly: " + (
+    ", ".join(parts) if parts else "no comparable numbers"
+  )
 
 
 # =========================================================================== writing
 def _fmt(v: Any) -> str:
-    if v is pd.NA:
-        return "NA"
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "NaN"
-    if isinstance(v, (bool, np.bool_)):
-        return str(bool(v))
-    if isinstance(v, (int, np.integer)):
-        return str(int(v))
-    if isinstance(v, (float, np.floating)):
-        v = float(v)
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return f"{v:.4g}"
-    return str(v)
+  if v is pd.NA:
+    return "NA"
+  if v is None or (isinstance(v, float) and math.isnan(v)):
+    return "NaN"
+  if isinstance(v, (bool, np.bool_)):
+    return str(bool(v))
+  if isinstance(v, (int, np.integer)):
+    return str(int(v))
+  if isinstance(v, (float, np.floating)):
+    v = float(v)
+    if math.isinf(v):
+      return "inf" if v > 0 else "-inf"
+    return f"{v:.4g}"
+  return str(v)
 
 
 def _absent(df: pd.DataFrame, r: pd.Series) -> set:
-    """The columns of row ``r`` whose metric its run's logs do not have (``attrs["not_logged"]``)."""
-    nl = df.attrs.get("not_logged") or {}
-    return set(nl.get(r["run"], ())) if "run" in r.index and isinstance(r["run"], str) else set()
+  """The columns of row ``r`` whose metric its run's logs do not have (``attrs["not_logged"]``)."""
+  nl = df.attrs.get("not_logged") or {}
+  return set(nl.get(r["run"], ())) if "run" in r.index and isinstance(r["run"], str) else set()
 
 
 def md_table(df: pd.DataFrame) -> str:
-    if df.empty:
-        return "_(no rows)_\n"
-    esc = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    lines = ["| " + " | ".join(esc(str(c)) for c in df.columns) + " |",
-             "| " + " | ".join("---" for _ in df.columns) + " |"]
-    for _, r in df.iterrows():
-        absent = _absent(df, r)
-        lines.append("| " + " | ".join(esc("n/a" if c in absent else _fmt(v)) for c, v in r.items()) + " |")
-    return "\n".join(lines) + "\n"
+  if df.empty:
+    return "_(no rows)_\n"
+  esc = lambda s: s.replace("|", "\\|").replace("\n", " ")  # noqa: E731
+  lines = [
+    "| " + " | ".join(esc(str(c)) for c in df.columns) + " |",
+    "| " + " | ".join("---" for _ in df.columns) + " |",
+  ]
+  for _, r in df.iterrows():
+    absent = _absent(df, r)
+    lines.append(
+      "| " + " | ".join(esc("n/a" if c in absent else _fmt(v)) for c, v in r.items()) + " |"
+    )
+  return "\n".join(lines) + "\n"
 
 
 def _html_table(df: pd.DataFrame, cls: str = "runs") -> str:
-    if df.empty:
-        return "<p><em>(no rows)</em></p>"
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-    body = []
-    for _, r in df.iterrows():
-        status = r.get("status") if "status" in df.columns else None
-        rcls = f' class="status-{html.escape(str(status))}"' if isinstance(status, str) else ""
-        cells = []
-        absent = _absent(df, r)
-        for c, v in zip(df.columns, r.tolist()):
-            if c in absent:
-                cells.append('<td class="na" title="not in this run\'s logs">n/a</td>')
-                continue
-            bad = isinstance(v, (float, np.floating)) and not math.isfinite(float(v)) and c not in ("kl_bits",)
-            num = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-            klass = " ".join(k for k, on in (("num", num), ("bad", bad and r.get("steps", 1) != 0)) if on)
-            attr = f' class="{klass}"' if klass else ""
-            cells.append(f"<td{attr}>{html.escape(_fmt(v))}</td>")
-        body.append(f"<tr{rcls}>" + "".join(cells) + "</tr>")
-    return (f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>\n' + "\n".join(body)
-            + "\n</tbody></table>")
+  if df.empty:
+    return "<p><em>(no rows)</em></p>"
+  head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+  body = []
+  for _, r in df.iterrows():
+    status = r.get("status") if "status" in df.columns else None
+    rcls = f' class="status-{html.escape(str(status))}"' if isinstance(status, str) else ""
+    cells = []
+    absent = _absent(df, r)
+    for c, v in zip(df.columns, r.tolist()):
+      if c in absent:
+        cells.append('<td class="na" title="not in this run\'s logs">n/a</td>')
+        continue
+      bad = (
+        isinstance(v, (float, np.floating))
+        and not math.isfinite(float(v))
+        and c not in ("kl_bits",)
+      )
+      num = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+      klass = " ".join(k for k, on in (("num", num), ("bad", bad and r.get("steps", 1) != 0)) if on)
+      attr = f' class="{klass}"' if klass else ""
+      cells.append(f"<td{attr}>{html.escape(_fmt(v))}</td>")
+    body.append(f"<tr{rcls}>" + "".join(cells) + "</tr>")
+  return (
+    f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>\n'
+    + "\n".join(body)
+    + "\n</tbody></table>"
+  )
 
 
 _CSS = """
@@ -935,214 +1048,321 @@ dd{margin:0 0 .4em 1.5em}
 
 
 def _composite_note() -> str:
-    return ("Composite gains, side by side: " + COMPOSITE_SENTENCES["token-averaged"] + " "
-            + COMPOSITE_SENTENCES["per-token"])
+  return (
+    "Composite gains, side by side: "
+    + COMPOSITE_SENTENCES["token-averaged"]
+    + " "
+    + COMPOSITE_SENTENCES["per-token"]
+  )
 
 
-def write_report(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, *,
-                 max_heatmaps: int = 6, dpi: int = 110) -> dict[str, str]:
-    """Write the sweep report; returns ``{name: path}`` of every file written.
+def write_report(
+  sweep_dir: str | os.PathLike,
+  out_dir: str | os.PathLike | None = None,
+  *,
+  max_heatmaps: int = 6,
+  dpi: int = 110,
+) -> dict[str, str]:
+  """Write the sweep report; returns ``{name: path}`` of every file written.
 
-    ``out_dir`` defaults to ``<sweep_dir>/report``. Files: ``summary_md``, ``summary_csv``,
-    ``groups_csv`` (:func:`groups_table`: mean and 95% interval over seeds per group),
-    ``paired_csv`` (:func:`paired_table`: paired differences between mixers by seed; only with
-    two or more mixers), ``index_html``, ``lr_sensitivity_csv`` (only with an lr axis) and one key per PNG
-    (``loss_curves``, ``grad_norms``, ``amax_vs_depth``, ``lr_sensitivity``,
-    ``heatmap:<run>``); a plot with nothing to show is not written and the page says why.
-    Prints nothing.
-    """
-    from mhc_jax.sweep import plots  # matplotlib only when plotting
+  ``out_dir`` defaults to ``<sweep_dir>/report``. Files: ``summary_md``, ``summary_csv``,
+  ``groups_csv`` (:func:`groups_table`: mean and 95% interval over seeds per group),
+  ``paired_csv`` (:func:`paired_table`: paired differences between mixers by seed; only with
+  two or more mixers), ``index_html``, ``lr_sensitivity_csv`` (only with an lr axis) and one key per PNG
+  (``loss_curves``, ``grad_norms``, ``amax_vs_depth``, ``lr_sensitivity``,
+  ``heatmap:<run>``); a plot with nothing to show is not written and the page says why.
+  Prints nothing.
+  """
+  from mhc_jax.sweep import plots  # matplotlib only when plotting
 
-    sweep_dir = Path(sweep_dir)
-    out = Path(out_dir) if out_dir is not None else sweep_dir / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    table = summary_table(sweep_dir)
-    lr_tab = lr_sensitivity_table(table)
-    groups = groups_table(table)
-    paired = paired_table(table)
-    sentence = finding(table)
-    paths: dict[str, str] = {}
+  sweep_dir = Path(sweep_dir)
+  out = Path(out_dir) if out_dir is not None else sweep_dir / "report"
+  out.mkdir(parents=True, exist_ok=True)
+  table = summary_table(sweep_dir)
+  lr_tab = lr_sensitivity_table(table)
+  groups = groups_table(table)
+  paired = paired_table(table)
+  sentence = finding(table)
+  paths: dict[str, str] = {}
 
-    # ----------------------------------------------------------- frames for the plots
-    keep = ["step", "loss", "grad_norm", "gain_fwd", "amax_fwd_composite", "amax_bwd_composite",
-            "amax_fwd_composite_tok_mean", "amax_bwd_composite_tok_mean"]
-    frames, evs = [], []
-    for name, rdir in table.attrs["run_dirs"].items():
-        if not (Path(rdir) / "metrics.jsonl").exists():
-            continue
-        m = load_run(rdir)
-        m.attrs = {}  # pandas deep-copies attrs on every operation; the plots do not need them
-        if len(m):
-            frames.append(m[[c for c in keep if c in m.columns]].assign(run=name))
-        e = load_events(rdir)
-        e.attrs = {}
-        if len(e):
-            evs.append(e[["step", "kind", "value"]].assign(run=name))
-    metrics = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run", *keep])
-    events = pd.concat(evs, ignore_index=True) if evs else pd.DataFrame(columns=["run", "step", "kind", "value"])
-    runs = table.copy()
+  # ----------------------------------------------------------- frames for the plots
+  keep = [
+    "step",
+    "loss",
+    "grad_norm",
+    "gain_fwd",
+    "amax_fwd_composite",
+    "amax_bwd_composite",
+    "amax_fwd_composite_tok_mean",
+    "amax_bwd_composite_tok_mean",
+  ]
+  frames, evs = [], []
+  for name, rdir in table.attrs["run_dirs"].items():
+    if not (Path(rdir) / "metrics.jsonl").exists():
+      continue
+    m = load_run(rdir)
+    m.attrs = {}  # pandas deep-copies attrs on every operation; the plots do not need them
+    if len(m):
+      frames.append(m[[c for c in keep if c in m.columns]].assign(run=name))
+    e = load_events(rdir)
+    e.attrs = {}
+    if len(e):
+      evs.append(e[["step", "kind", "value"]].assign(run=name))
+  metrics = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=["run", *keep])
+  events = (
+    pd.concat(evs, ignore_index=True)
+    if evs
+    else pd.DataFrame(columns=["run", "step", "kind", "value"])
+  )
+  runs = table.copy()
 
-    figures: list[tuple[list[str], str, str]] = []  # (keys in paths, title, caption)
-    missing: list[str] = []
-    info = plots.describe(runs)
+  figures: list[tuple[list[str], str, str]] = []  # (keys in paths, title, caption)
+  missing: list[str] = []
+  info = plots.describe(runs)
 
-    p = plots.loss_curves(metrics, runs, events, out / "loss_curves.png", dpi=dpi)
+  p = plots.loss_curves(metrics, runs, events, out / "loss_curves.png", dpi=dpi)
+  if p:
+    paths["loss_curves"] = str(p)
+    figures.append((["loss_curves"], "Training loss", plots.CAPTIONS["loss_curves"].format(**info)))
+  else:
+    missing.append("No loss curves: no run has logged a finite loss yet.")
+  p = plots.grad_norm_curves(metrics, runs, events, out / "grad_norms.png", dpi=dpi)
+  if p:
+    paths["grad_norms"] = str(p)
+    figures.append((["grad_norms"], "Gradient norm", plots.CAPTIONS["grad_norms"].format(**info)))
+  else:
+    missing.append("No gradient-norm curves: no run has logged a finite grad_norm.")
+  p = plots.composite_gain_vs_depth(metrics, runs, out / "amax_vs_depth.png", dpi=dpi)
+  if p:
+    paths["amax_vs_depth"] = str(p)
+    figures.append(
+      (
+        ["amax_vs_depth"],
+        "Composite Amax gain against depth",
+        plots.CAPTIONS["amax_vs_depth"].format(**info),
+      )
+    )
+  else:
+    missing.append(
+      "No composite Amax gain plot: no run has logged amax_fwd_composite / amax_bwd_composite "
+      "(or no depth is known)."
+    )
+  if has_lr_axis(table):
+    p = plots.lr_sensitivity_curves(runs, lr_tab, out / "lr_sensitivity.png", dpi=dpi)
     if p:
-        paths["loss_curves"] = str(p)
-        figures.append((["loss_curves"], "Training loss", plots.CAPTIONS["loss_curves"].format(**info)))
+      paths["lr_sensitivity"] = str(p)
+      figures.append(
+        (
+          ["lr_sensitivity"],
+          "Learning-rate sensitivity",
+          plots.CAPTIONS["lr_sensitivity"].format(**info),
+        )
+      )
     else:
-        missing.append("No loss curves: no run has logged a finite loss yet.")
-    p = plots.grad_norm_curves(metrics, runs, events, out / "grad_norms.png", dpi=dpi)
+      missing.append("No LR-sensitivity plot: no run on the lr grid has finished logging.")
+  else:
+    missing.append(
+      "This sweep has no learning-rate axis (fewer than two distinct lr values), so there "
+      "is no LR-sensitivity table or plot."
+    )
+  chosen = plots.pick_heatmap_runs(metrics, runs, max_heatmaps)
+  heat = []
+  for name in chosen:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
+    p = plots.layer_heatmap(
+      metrics[metrics["run"] == name],
+      runs[runs["run"] == name].iloc[0],
+      out / f"heatmap_{safe}.png",
+      dpi=dpi,
+    )
     if p:
-        paths["grad_norms"] = str(p)
-        figures.append((["grad_norms"], "Gradient norm", plots.CAPTIONS["grad_norms"].format(**info)))
-    else:
-        missing.append("No gradient-norm curves: no run has logged a finite grad_norm.")
-    p = plots.composite_gain_vs_depth(metrics, runs, out / "amax_vs_depth.png", dpi=dpi)
-    if p:
-        paths["amax_vs_depth"] = str(p)
-        figures.append((["amax_vs_depth"], "Composite Amax gain against depth",
-                        plots.CAPTIONS["amax_vs_depth"].format(**info)))
-    else:
-        missing.append("No composite Amax gain plot: no run has logged amax_fwd_composite / amax_bwd_composite "
-                       "(or no depth is known).")
-    if has_lr_axis(table):
-        p = plots.lr_sensitivity_curves(runs, lr_tab, out / "lr_sensitivity.png", dpi=dpi)
-        if p:
-            paths["lr_sensitivity"] = str(p)
-            figures.append((["lr_sensitivity"], "Learning-rate sensitivity",
-                            plots.CAPTIONS["lr_sensitivity"].format(**info)))
-        else:
-            missing.append("No LR-sensitivity plot: no run on the lr grid has finished logging.")
-    else:
-        missing.append("This sweep has no learning-rate axis (fewer than two distinct lr values), so there "
-                       "is no LR-sensitivity table or plot.")
-    chosen = plots.pick_heatmap_runs(metrics, runs, max_heatmaps)
-    heat = []
-    for name in chosen:
-        safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
-        p = plots.layer_heatmap(metrics[metrics["run"] == name], runs[runs["run"] == name].iloc[0],
-                                out / f"heatmap_{safe}.png", dpi=dpi)
-        if p:
-            paths[f"heatmap:{name}"] = str(p)
-            heat.append(f"heatmap:{name}")
-    if heat:
-        figures.append((heat, "Per-layer gains over training",
-                        plots.CAPTIONS["heatmap"].format(**info, n_heatmaps=len(heat), max_heatmaps=max_heatmaps)))
-    if not chosen:
-        missing.append("No per-layer heatmaps: no run has logged per-layer gain_fwd / amax_fwd_composite.")
+      paths[f"heatmap:{name}"] = str(p)
+      heat.append(f"heatmap:{name}")
+  if heat:
+    figures.append(
+      (
+        heat,
+        "Per-layer gains over training",
+        plots.CAPTIONS["heatmap"].format(**info, n_heatmaps=len(heat), max_heatmaps=max_heatmaps),
+      )
+    )
+  if not chosen:
+    missing.append(
+      "No per-layer heatmaps: no run has logged per-layer gain_fwd / amax_fwd_composite."
+    )
 
-    # ----------------------------------------------------------- notes on missing data
-    no_metrics = table[table["steps"] == 0]
-    for _, r in no_metrics.iterrows():
-        missing.append(f"Run {r['run']} ({r['status']}) has no metrics yet: listed in the table, not plotted.")
-    for _, r in table[(table["steps"] > 0) & ~np.isfinite(table["final_loss"])].iterrows():
-        missing.append(f"Run {r['run']}: final_loss is {_fmt(r['final_loss'])} ({r['note']}); curves stop at "
-                       "the last finite point.")
-    lacking = [n for n, cols in table.attrs.get("not_logged", {}).items()
-               if n in set(table.loc[table["steps"] > 0, "run"]) and cols]
-    if lacking:
-        names = sorted({LATER_COLUMNS[c][0] for n in lacking for c in table.attrs["not_logged"][n]})
-        missing.append(f"{len(lacking)} of {int((table['steps'] > 0).sum())} runs with metrics have logs without "
-                       f"{', '.join(names)} (written before these metrics existed): those cells read n/a, and "
-                       "their group means are NaN.")
+  # ----------------------------------------------------------- notes on missing data
+  no_metrics = table[table["steps"] == 0]
+  for _, r in no_metrics.iterrows():
+    missing.append(
+      f"Run {r['run']} ({r['status']}) has no metrics yet: listed in the table, not plotted."
+    )
+  for _, r in table[(table["steps"] > 0) & ~np.isfinite(table["final_loss"])].iterrows():
+    missing.append(
+      f"Run {r['run']}: final_loss is {_fmt(r['final_loss'])} ({r['note']}); curves stop at "
+      "the last finite point."
+    )
+  lacking = [
+    n
+    for n, cols in table.attrs.get("not_logged", {}).items()
+    if n in set(table.loc[table["steps"] > 0, "run"]) and cols
+  ]
+  if lacking:
+    names = sorted({LATER_COLUMNS[c][0] for n in lacking for c in table.attrs["not_logged"][n]})
+    missing.append(
+      f"{len(lacking)} of {int((table['steps'] > 0).sum())} runs with metrics have logs without "
+      f"{', '.join(names)} (written before these metrics existed): those cells read n/a, and "
+      "their group means are NaN."
+    )
 
-    # ----------------------------------------------------------- tables
-    for name, frame, always in (("summary", table, True), ("lr_sensitivity", lr_tab, False),
-                                ("groups", groups, True), ("paired", paired, False)):
-        if always or len(frame):
-            csv_path = out / f"{name}.csv"
-            frame.to_csv(csv_path, index=False, na_rep="NaN")
-            paths[f"{name}_csv"] = str(csv_path)
-    n_seeds_max = int(groups["n_seeds"].max()) if len(groups) else 0
-    group_text = (f"Runs that differ only in the seed, grouped ({len(groups)} groups, up to {n_seeds_max} seeds "
-                  f"each). Cells are mean [95% CI] over the group's seeds: {stats.METHOD}. The t interval is used "
-                  "rather than a bootstrap because with 3-5 seeds a percentile bootstrap is far too narrow (its "
-                  "95% interval covers the mean about 73% of the time for 3 seeds); a NaN or inf in any seed makes "
-                  "the mean NaN/inf and the interval NaN, and one seed has no interval. groups.csv has every metric "
-                  "as <metric>_mean, <metric>_ci_lo, <metric>_ci_hi and n_seeds.")
-    paired_text = ("Paired differences between mixers: runs of two mixers that share a seed (and every other "
-                   "axis) are paired; each Δ cell is mixer_b's value minus mixer_a's, mean [95% Student t interval] "
-                   "over the n_pairs pairs; * marks an interval that excludes 0, a difference the seeds cannot "
-                   "explain. paired.csv has every metric, with mean_a and mean_b.")
-    if len(paired) == 0:
-        missing.append("No paired differences: fewer than two mixers have results.")
+  # ----------------------------------------------------------- tables
+  for name, frame, always in (
+    ("summary", table, True),
+    ("lr_sensitivity", lr_tab, False),
+    ("groups", groups, True),
+    ("paired", paired, False),
+  ):
+    if always or len(frame):
+      csv_path = out / f"{name}.csv"
+      frame.to_csv(csv_path, index=False, na_rep="NaN")
+      paths[f"{name}_csv"] = str(csv_path)
+  n_seeds_max = int(groups["n_seeds"].max()) if len(groups) else 0
+  group_text = (
+    f"Runs that differ only in the seed, grouped ({len(groups)} groups, up to {n_seeds_max} seeds "
+    f"each). Cells are mean [95% CI] over the group's seeds: {stats.METHOD}. The t interval is used "
+    "rather than a bootstrap because with 3-5 seeds a percentile bootstrap is far too narrow (its "
+    "95% interval covers the mean about 73% of the time for 3 seeds); a NaN or inf in any seed makes "
+    "the mean NaN/inf and the interval NaN, and one seed has no interval. groups.csv has every metric "
+    "as <metric>_mean, <metric>_ci_lo, <metric>_ci_hi and n_seeds."
+  )
+  paired_text = (
+    "Paired differences between mixers: runs of two mixers that share a seed (and every other "
+    "axis) are paired; each Δ cell is mixer_b's value minus mixer_a's, mean [95% Student t interval] "
+    "over the n_pairs pairs; * marks an interval that excludes 0, a difference the seeds cannot "
+    "explain. paired.csv has every metric, with mean_a and mean_b."
+  )
+  if len(paired) == 0:
+    missing.append("No paired differences: fewer than two mixers have results.")
 
-    counts = table["status"].value_counts().to_dict()
-    status_line = ", ".join(f"{v} {k}" for k, v in counts.items()) or "no runs"
-    axes_line = ", ".join(f"{c} ({k})" for k, c in table.attrs["axes"].items()) or "none"
-    context = [c for c in table.attrs["id_columns"][1:] if c not in table.attrs["axes"].values()]
-    defs = {"run": "run name in the manifest", **{c: f"sweep axis {k}" for k, c in table.attrs["axes"].items()},
-            **{c: f"{_CONFIG_KEYS[c]} from the run's config.yaml (not a sweep axis)" for c in context},
-            **COLUMN_DOCS}
+  counts = table["status"].value_counts().to_dict()
+  status_line = ", ".join(f"{v} {k}" for k, v in counts.items()) or "no runs"
+  axes_line = ", ".join(f"{c} ({k})" for k, c in table.attrs["axes"].items()) or "none"
+  context = [c for c in table.attrs["id_columns"][1:] if c not in table.attrs["axes"].values()]
+  defs = {
+    "run": "run name in the manifest",
+    **{c: f"sweep axis {k}" for k, c in table.attrs["axes"].items()},
+    **{c: f"{_CONFIG_KEYS[c]} from the run's config.yaml (not a sweep axis)" for c in context},
+    **COLUMN_DOCS,
+  }
 
-    md = [f"# Sweep report: {sweep_dir.resolve().name}", "",
-          f"{len(table)} runs ({status_line}). Sweep axes: {axes_line}.", "", f"**{sentence}**", "",
-          "## Runs", "", _composite_note(), "", md_table(table)]
-    if n_seeds_max > 1 or len(paired):
-        md += ["## Groups over seeds", "", group_text, "", md_table(_groups_display(groups))]
-    if len(paired):
-        shown = _paired_display(paired)
-        md += ["## Paired differences between mixers", "", paired_text, "",
-               md_table(shown) if len(shown) else "_(no pairs with finite values)_\n"]
-    if len(lr_tab):
-        md += ["## Learning-rate sensitivity", "",
-               "Wortsman et al.: mean over the lr grid of min(final_loss, loss_init) - its minimum; lower is "
-               "more robust to the choice of lr.", "", md_table(lr_tab)]
-    if missing:
-        md += ["## Missing or non-finite", ""] + [f"- {m}" for m in missing] + [""]
-    md += ["## Plots", ""] + [f"- `{Path(paths[k]).name}`: {t}" for ks, t, _ in figures for k in ks] + [""]
-    md += ["## Column definitions", ""] + [f"- `{k}`: {v}" for k, v in defs.items()] + [""]
-    md_path = out / "summary.md"
-    md_path.write_text("\n".join(md))
-    paths["summary_md"] = str(md_path)
-
-    # ----------------------------------------------------------- the page
-    e = html.escape
-    now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-    parts = [
-        "<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-        f"<title>Sweep report: {e(sweep_dir.resolve().name)}</title>", f"<style>{_CSS}</style></head><body>",
-        f"<h1>Sweep report: {e(sweep_dir.resolve().name)}</h1>",
-        f'<p class="meta">{e(str(sweep_dir.resolve()))} &middot; generated {now} &middot; {len(table)} runs '
-        f"({e(status_line)}) &middot; sweep axes: {e(axes_line)}</p>",
-        f'<p class="finding">{e(sentence)}</p>',
+  md = [
+    f"# Sweep report: {sweep_dir.resolve().name}",
+    "",
+    f"{len(table)} runs ({status_line}). Sweep axes: {axes_line}.",
+    "",
+    f"**{sentence}**",
+    "",
+    "## Runs",
+    "",
+    _composite_note(),
+    "",
+    md_table(table),
+  ]
+  if n_seeds_max > 1 or len(paired):
+    md += ["## Groups over seeds", "", group_text, "", md_table(_groups_display(groups))]
+  if len(paired):
+    shown = _paired_display(paired)
+    md += [
+      "## Paired differences between mixers",
+      "",
+      paired_text,
+      "",
+      md_table(shown) if len(shown) else "_(no pairs with finite values)_\n",
     ]
-    if missing:
-        parts.append('<div class="note"><strong>Missing or non-finite</strong><ul>'
-                     + "".join(f"<li>{e(m)}</li>" for m in missing) + "</ul></div>")
-    parts += ["<h2>Runs</h2>",
-              "<p>One row per run. Non-finite numbers are shown as they are (NaN, inf) in red; n/a means the "
-              "run's logs do not have that metric; grey rows have not finished. Definitions of every column "
-              'are at the bottom of the page; <a href="summary.csv">summary.csv</a> has full precision.</p>',
-              f"<p>{e(_composite_note())}</p>",
-              f'<div class="scroll">{_html_table(table)}</div>']
-    if n_seeds_max > 1 or len(paired):
-        parts += ["<h2>Groups over seeds</h2>", f'<p>{e(group_text)} <a href="groups.csv">groups.csv</a></p>',
-                  f'<div class="scroll">{_html_table(_groups_display(groups), "groups")}</div>']
-    if len(paired):
-        shown = _paired_display(paired)
-        parts += ["<h2>Paired differences between mixers</h2>",
-                  f'<p>{e(paired_text)} <a href="paired.csv">paired.csv</a></p>',
-                  f'<div class="scroll">{_html_table(shown, "paired")}</div>' if len(shown)
-                  else "<p><em>(no pairs with finite values)</em></p>"]
-    if len(lr_tab):
-        parts += ["<h2>Learning-rate sensitivity</h2>",
-                  "<p>Runs that differ only in the learning rate, grouped. <code>lr_sensitivity</code> "
-                  "(Wortsman et al. 2023) is the mean over the lr grid of min(final_loss, loss_init) minus its "
-                  "minimum: 0 means every lr on the grid reaches the best loss, larger means the result "
-                  "depends more on tuning the lr; diverged runs count as loss_init.</p>",
-                  f'<div class="scroll">{_html_table(lr_tab, "lr")}</div>']
-    parts.append("<h2>Plots</h2>")
-    for keys, title, cap in figures:
-        names = [Path(paths[k]).name for k in keys]
-        imgs = "".join(f'<img src="{e(n)}" alt="{e(title)}: {e(n)}">' for n in names)
-        parts.append(f'<figure id="{e(Path(names[0]).stem)}"><h3>{e(title)}</h3>{imgs}'
-                     f"<figcaption>{e(cap)}</figcaption></figure>")
-    parts += ["<h2>Column definitions</h2><dl>"]
-    parts += [f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in defs.items()]
-    parts += ["</dl></body></html>"]
-    html_path = out / "index.html"
-    html_path.write_text("\n".join(parts), encoding="utf-8")
-    paths["index_html"] = str(html_path)
-    return paths
+  if len(lr_tab):
+    md += [
+      "## Learning-rate sensitivity",
+      "",
+      "Wortsman et al.: mean over the lr grid of min(final_loss, loss_init) - its minimum; lower is "
+      "more robust to the choice of lr.",
+      "",
+      md_table(lr_tab),
+    ]
+  if missing:
+    md += ["## Missing or non-finite", ""] + [f"- {m}" for m in missing] + [""]
+  md += (
+    ["## Plots", ""]
+    + [f"- `{Path(paths[k]).name}`: {t}" for ks, t, _ in figures for k in ks]
+    + [""]
+  )
+  md += ["## Column definitions", ""] + [f"- `{k}`: {v}" for k, v in defs.items()] + [""]
+  md_path = out / "summary.md"
+  md_path.write_text("\n".join(md))
+  paths["summary_md"] = str(md_path)
+
+  # ----------------------------------------------------------- the page
+  e = html.escape
+  now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
+  parts = [
+    "<!DOCTYPE html>",
+    '<html lang="en"><head><meta charset="utf-8">',
+    f"<title>Sweep report: {e(sweep_dir.resolve().name)}</title>",
+    f"<style>{_CSS}</style></head><body>",
+    f"<h1>Sweep report: {e(sweep_dir.resolve().name)}</h1>",
+    f'<p class="meta">{e(str(sweep_dir.resolve()))} &middot; generated {now} &middot; {len(table)} runs '
+    f"({e(status_line)}) &middot; sweep axes: {e(axes_line)}</p>",
+    f'<p class="finding">{e(sentence)}</p>',
+  ]
+  if missing:
+    parts.append(
+      '<div class="note"><strong>Missing or non-finite</strong><ul>'
+      + "".join(f"<li>{e(m)}</li>" for m in missing)
+      + "</ul></div>"
+    )
+  parts += [
+    "<h2>Runs</h2>",
+    "<p>One row per run. Non-finite numbers are shown as they are (NaN, inf) in red; n/a means the "
+    "run's logs do not have that metric; grey rows have not finished. Definitions of every column "
+    'are at the bottom of the page; <a href="summary.csv">summary.csv</a> has full precision.</p>',
+    f"<p>{e(_composite_note())}</p>",
+    f'<div class="scroll">{_html_table(table)}</div>',
+  ]
+  if n_seeds_max > 1 or len(paired):
+    parts += [
+      "<h2>Groups over seeds</h2>",
+      f'<p>{e(group_text)} <a href="groups.csv">groups.csv</a></p>',
+      f'<div class="scroll">{_html_table(_groups_display(groups), "groups")}</div>',
+    ]
+  if len(paired):
+    shown = _paired_display(paired)
+    parts += [
+      "<h2>Paired differences between mixers</h2>",
+      f'<p>{e(paired_text)} <a href="paired.csv">paired.csv</a></p>',
+      f'<div class="scroll">{_html_table(shown, "paired")}</div>'
+      if len(shown)
+      else "<p><em>(no pairs with finite values)</em></p>",
+    ]
+  if len(lr_tab):
+    parts += [
+      "<h2>Learning-rate sensitivity</h2>",
+      "<p>Runs that differ only in the learning rate, grouped. <code>lr_sensitivity</code> "
+      "(Wortsman et al. 2023) is the mean over the lr grid of min(final_loss, loss_init) minus its "
+      "minimum: 0 means every lr on the grid reaches the best loss, larger means the result "
+      "depends more on tuning the lr; diverged runs count as loss_init.</p>",
+      f'<div class="scroll">{_html_table(lr_tab, "lr")}</div>',
+    ]
+  parts.append("<h2>Plots</h2>")
+  for keys, title, cap in figures:
+    names = [Path(paths[k]).name for k in keys]
+    imgs = "".join(f'<img src="{e(n)}" alt="{e(title)}: {e(n)}">' for n in names)
+    parts.append(
+      f'<figure id="{e(Path(names[0]).stem)}"><h3>{e(title)}</h3>{imgs}'
+      f"<figcaption>{e(cap)}</figcaption></figure>"
+    )
+  parts += ["<h2>Column definitions</h2><dl>"]
+  parts += [f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in defs.items()]
+  parts += ["</dl></body></html>"]
+  html_path = out / "index.html"
+  html_path.write_text("\n".join(parts), encoding="utf-8")
+  paths["index_html"] = str(html_path)
+  return paths

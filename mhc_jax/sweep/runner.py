@@ -48,6 +48,7 @@ one vmapped program (mhc_jax.sweep.population); a group of one trains as a norma
 Exit codes: 0 every run done; 1 some run failed (the report is still written); 2 bad input;
 143 SIGTERM or Ctrl-C (checkpoints saved; re-run to continue).
 """
+
 from __future__ import annotations
 
 import json
@@ -62,23 +63,41 @@ from mhc_jax.sweep import grid
 from mhc_jax.sweep.manifest import Manifest, ManifestError, Worker, claim_state, lease_seconds
 from mhc_jax.train.config import ConfigError
 
-__all__ = ["main", "run_sweep", "plan", "read_manifest", "write_manifest", "prepare_run_dir",
-           "print_dry_run"]
+__all__ = [
+  "main",
+  "run_sweep",
+  "plan",
+  "read_manifest",
+  "write_manifest",
+  "prepare_run_dir",
+  "print_dry_run",
+]
 
 EXIT_FAILED, EXIT_PREEMPTED = 1, 143
-TABLE_COLUMNS = ["status", "steps", "final_loss", "spike_count", "max_grad_norm",
-                 "amax_fwd_composite_max", "amax_fwd_composite_tok_mean_max",
-                 "amax_bwd_composite_max", "amax_bwd_composite_tok_mean_max", "kl_bits",
-                 "nonfinite"]
+TABLE_COLUMNS = [
+  "status",
+  "steps",
+  "final_loss",
+  "spike_count",
+  "max_grad_norm",
+  "amax_fwd_composite_max",
+  "amax_fwd_composite_tok_mean_max",
+  "amax_bwd_composite_max",
+  "amax_bwd_composite_tok_mean_max",
+  "kl_bits",
+  "nonfinite",
+]
 
 
 def _is_main() -> bool:
   import jax
+
   return jax.process_index() == 0
 
 
 # ------------------------------------------------------------------------------------------
 # The manifest (every change goes through mhc_jax.sweep.manifest: locked, atomic, owner-checked).
+
 
 def read_manifest(out_dir: str | os.PathLike) -> dict | None:
   try:
@@ -132,8 +151,9 @@ def _same(a, b) -> bool:
 
 def _check_compatible(old: dict, sweep: grid.Sweep, out_dir: Path) -> None:
   """ConfigError naming the first key where `sweep` differs from the one that made `out_dir`."""
-  where = (f"since {out_dir} was made; its runs would mix configs. Use another --out, or undo "
-           f"the change")
+  where = (
+    f"since {out_dir} was made; its runs would mix configs. Use another --out, or undo the change"
+  )
   old_axes = old.get("axes") or {}
   for k in sweep.axes:
     if k not in old_axes:
@@ -143,12 +163,14 @@ def _check_compatible(old: dict, sweep: grid.Sweep, out_dir: Path) -> None:
       raise ConfigError(f"axes.{k}: axis removed {where}")
   before = logs.flatten_dict(old.get("base_config") or {})
   now = logs.flatten_dict(sweep.base_config)
-  for k in sorted(set(before) & set(now)):   # a key only one side has is a code change
+  for k in sorted(set(before) & set(now)):  # a key only one side has is a code change
     if k.startswith("dist.") or k == "name":
       continue
     if not _same(before[k], now[k]):
-      raise ConfigError(f"{k}: changed from {before[k]!r} to {now[k]!r} (sweep file 'set', its "
-                        f"base config or --set) {where}")
+      raise ConfigError(
+        f"{k}: changed from {before[k]!r} to {now[k]!r} (sweep file 'set', its "
+        f"base config or --set) {where}"
+      )
   for r in sweep.runs:
     info = old["runs"].get(r.name)
     if info is not None and not _same(info.get("overrides"), r.overrides):
@@ -168,8 +190,11 @@ def plan(sweep: grid.Sweep, out_dir: str | os.PathLike) -> tuple[dict, list[str]
   runs = {}
   for r in sweep.runs:
     prev = (old or {}).get("runs", {}).get(r.name)
-    runs[r.name] = dict(prev) if prev else {"status": "pending", "overrides": r.overrides,
-                                            "dir": f"runs/{r.name}"}
+    runs[r.name] = (
+      dict(prev)
+      if prev
+      else {"status": "pending", "overrides": r.overrides, "dir": f"runs/{r.name}"}
+    )
   if old is not None:
     new = [r.name for r in sweep.runs if r.name not in old["runs"]]
     if new:
@@ -188,10 +213,14 @@ def plan(sweep: grid.Sweep, out_dir: str | os.PathLike) -> tuple[dict, list[str]
     if info["status"] not in ("done", "failed"):
       todo.append(r.name)
   manifest = {
-      "name": sweep.name, "sweep_file": str(sweep.path) if sweep.path else None,
-      "base": str(sweep.base_path) if sweep.base_path else None, "set": sweep.set,
-      "axes": sweep.axes, "population": list(sweep.population), "base_config": sweep.base_config,
-      "runs": runs,
+    "name": sweep.name,
+    "sweep_file": str(sweep.path) if sweep.path else None,
+    "base": str(sweep.base_path) if sweep.base_path else None,
+    "set": sweep.set,
+    "axes": sweep.axes,
+    "population": list(sweep.population),
+    "base_config": sweep.base_config,
+    "runs": runs,
   }
   return manifest, todo, notes
 
@@ -201,6 +230,7 @@ def prepare_run_dir(run_dir: Path, cfg) -> str:
   then deleted so nothing of the earlier attempt remains), ``"resume"`` (it has a checkpoint),
   or ``"done"`` (summary.json says done and the last checkpoint is the final step)."""
   from mhc_jax.rundir import checkpoint_steps as _ckpt_steps
+
   if not run_dir.exists():
     return "fresh"
   steps = _ckpt_steps(run_dir)
@@ -220,6 +250,7 @@ def prepare_run_dir(run_dir: Path, cfg) -> str:
 # ------------------------------------------------------------------------------------------
 # Running.
 
+
 def _say(msg: str) -> None:
   if _is_main():
     print(msg, flush=True)
@@ -228,10 +259,12 @@ def _say(msg: str) -> None:
 def _broadcast(values: list[int]) -> list[int]:
   """Process 0's `values` on every process (multi-process sweeps decide on process 0)."""
   import jax
+
   if jax.process_count() == 1:
     return values
   import numpy as np
   from jax.experimental import multihost_utils
+
   return [int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int64))]
 
 
@@ -250,9 +283,16 @@ def _next_unit(m: dict | None, me: Worker, units: list[list[str]]) -> tuple[int,
   return -1, 2
 
 
-def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike, *,
-              progress: bool = True, parallel: int | None = None, executor: str | None = None,
-              executor_params: dict | None = None) -> int:
+def run_sweep(
+  sweep: grid.Sweep,
+  setups: dict | None,
+  out_dir: str | os.PathLike,
+  *,
+  progress: bool = True,
+  parallel: int | None = None,
+  executor: str | None = None,
+  executor_params: dict | None = None,
+) -> int:
   """Train every unfinished run of `sweep` into `out_dir`, then write the report.
 
   With `parallel` or `executor`, runs train in worker processes (mhc_jax.sweep.executor) and
@@ -265,12 +305,16 @@ def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike
   manifest, todo, notes = plan(sweep, out_dir)
   runs = manifest["runs"]
   n_total = len(sweep.runs)
-  counts = {s: sum(1 for r in sweep.runs if runs[r.name]["status"] == s) for s in ("done", "failed")}
+  counts = {
+    s: sum(1 for r in sweep.runs if runs[r.name]["status"] == s) for s in ("done", "failed")
+  }
   for note in notes:
     _say(f"note: {note}")
   if not todo:
-    _say(f"sweep {sweep.name}: all {n_total} runs are finished ({counts['done']} done, "
-         f"{counts['failed']} failed); nothing to do in {out_dir}")
+    _say(
+      f"sweep {sweep.name}: all {n_total} runs are finished ({counts['done']} done, "
+      f"{counts['failed']} failed); nothing to do in {out_dir}"
+    )
     index = out_dir / "report" / "index.html"
     if _is_main() and not index.exists():
       _finish(out_dir)
@@ -284,14 +328,25 @@ def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike
   parallel_mode = parallel is not None or executor not in (None, "process")
   how = ""
   if parallel_mode:
-    how = (f" with {executor or 'process'} workers, "
-           + (f"up to {parallel} at once" if parallel else "all submitted at once"))
-  _say(f"sweep {sweep.name}: {n_total} runs ({counts['done']} done, {counts['failed']} failed, "
-       f"{len(todo)} to run) in {out_dir}{how}")
+    how = f" with {executor or 'process'} workers, " + (
+      f"up to {parallel} at once" if parallel else "all submitted at once"
+    )
+  _say(
+    f"sweep {sweep.name}: {n_total} runs ({counts['done']} done, {counts['failed']} failed, "
+    f"{len(todo)} to run) in {out_dir}{how}"
+  )
   if parallel_mode:
     from mhc_jax.sweep import executor as ex
-    rc = ex.run_parallel(sweep, out_dir, todo, parallel, executor or "process",
-                         executor_params or {}, progress=progress)
+
+    rc = ex.run_parallel(
+      sweep,
+      out_dir,
+      todo,
+      parallel,
+      executor or "process",
+      executor_params or {},
+      progress=progress,
+    )
     if rc == EXIT_PREEMPTED:
       _say(f"sweep {sweep.name}: stopped; re-run the same command to continue")
       return EXIT_PREEMPTED
@@ -300,8 +355,14 @@ def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike
   mfst = Manifest(out_dir)
   me = Worker.current()
   order = {name: i + 1 for i, name in enumerate(todo)}
-  bar = SweepProgress(sweep.name, out_dir, {r.name: r.cfg.train.steps for r in sweep.runs}, 1,
-                      enabled=progress and _is_main(), tty=False)
+  bar = SweepProgress(
+    sweep.name,
+    out_dir,
+    {r.name: r.cfg.train.steps for r in sweep.runs},
+    1,
+    enabled=progress and _is_main(),
+    tty=False,
+  )
   units = [[r.name for r in g] for g in grid.population_groups(sweep, todo)]
   waiting = False
 
@@ -313,8 +374,10 @@ def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike
     if action == 2:
       if not waiting:
         held = [n for u in units for n in u]
-        _say(f"sweep {sweep.name}: waiting for {len(held)} run(s) that other workers hold: "
-             f"{', '.join(held)}")
+        _say(
+          f"sweep {sweep.name}: waiting for {len(held)} run(s) that other workers hold: "
+          f"{', '.join(held)}"
+        )
         waiting = True
       time.sleep(min(5.0, lease_seconds() / 6))
       continue
@@ -325,7 +388,7 @@ def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike
     claimed = mfst.claim(unit, me)[0] if _is_main() else []
     mask = _broadcast([int(n in claimed) for n in unit])
     claimed = [n for n, c in zip(unit, mask) if c]
-    if not claimed:   # taken by another worker between the look and the claim
+    if not claimed:  # taken by another worker between the look and the claim
       units.insert(i, unit)
       continue
     out = train_claimed(mfst, me, out_dir, claimed, setups, progress=progress, say=say)
@@ -339,6 +402,7 @@ def run_sweep(sweep: grid.Sweep, setups: dict | None, out_dir: str | os.PathLike
 
 def _print_table(out_dir: Path) -> None:
   from mhc_jax.sweep import report
+
   table = report.summary_table(out_dir)
   ids = [c for c in table.attrs.get("id_columns", ["run"]) if c in table.columns]
   cols = ids + [c for c in TABLE_COLUMNS if c in table.columns and c not in ids]
@@ -351,7 +415,8 @@ def _finish(out_dir: Path) -> int:
   if not _is_main():
     return 0
   from mhc_jax.sweep import report
-  with Manifest(out_dir).report_lock():   # other sweep commands on this directory may finish now
+
+  with Manifest(out_dir).report_lock():  # other sweep commands on this directory may finish now
     paths = report.write_report(out_dir)
   _print_table(out_dir)
   print(f"report: {paths['index_html']}", flush=True)
@@ -361,13 +426,16 @@ def _finish(out_dir: Path) -> int:
     print(f"{len(failed)} run(s) failed: {', '.join(failed)} (errors in manifest.json)")
   open_runs = [n for n, i in m["runs"].items() if i.get("status") not in ("done", "failed")]
   if open_runs:
-    print(f"{len(open_runs)} run(s) not finished: {', '.join(open_runs)} (other workers hold "
-          f"them or gave them back; run the same command again to finish them)")
+    print(
+      f"{len(open_runs)} run(s) not finished: {', '.join(open_runs)} (other workers hold "
+      f"them or gave them back; run the same command again to finish them)"
+    )
   return EXIT_FAILED if failed else 0
 
 
 # ------------------------------------------------------------------------------------------
 # The command.
+
 
 def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir: Path) -> None:
   table = grid.dry_run_table(sweep, setups)
@@ -376,54 +444,71 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir: Path) -> None:
     table.insert(1, "status", [old["runs"].get(n, {}).get("status", "new") for n in table["run"]])
   show = table.copy()
   show["train_flops"] = [grid.format_flops(x) for x in table["train_flops"]]
-  print(f"sweep {sweep.name}: {len(table)} runs -> {out_dir}"
-        + (f"; population axes: {', '.join(sweep.population)}" if sweep.population else ""))
+  print(
+    f"sweep {sweep.name}: {len(table)} runs -> {out_dir}"
+    + (f"; population axes: {', '.join(sweep.population)}" if sweep.population else "")
+  )
   print(show.to_string(index=False))
-  print(f"total: {int(table['params'].sum()):,} parameters over all runs, "
-        f"{grid.format_flops(float(table['train_flops'].sum()))} training FLOPs "
-        f"(steps * B * T * (6 N + 12 L T C), N = non-embedding params + V C)")
+  print(
+    f"total: {int(table['params'].sum()):,} parameters over all runs, "
+    f"{grid.format_flops(float(table['train_flops'].sum()))} training FLOPs "
+    f"(steps * B * T * (6 N + 12 L T C), N = non-embedding params + V C)"
+  )
 
 
 def main(args) -> int:
   """``mhc-jax sweep`` (args: sweep_file, out, set, dry_run, quiet, parallel, executor, dist
   flags)."""
   from mhc_jax.sweep import executor as ex
+
   raw_parallel = getattr(args, "parallel", None)
   parallel = ex.parse_parallel(raw_parallel) if raw_parallel is not None else None
   sweep = grid.load_sweep(args.sweep_file, getattr(args, "set", None) or [])
   if parallel is None:
     parallel = sweep.options.get("parallel")
-  kind, params = ex.executor_options(sweep.options.get("executor"),
-                                     getattr(args, "executor", None))
+  kind, params = ex.executor_options(sweep.options.get("executor"), getattr(args, "executor", None))
   parallel_mode = parallel is not None or kind != "process"
   out_dir = Path(args.out) if args.out else Path("sweeps_out") / sweep.name
   if out_dir.exists() and not out_dir.is_dir():
     raise ConfigError(f"--out: {out_dir} is not a directory")
   if parallel_mode and not args.dry_run:
-    flags = [f for f in ("coordinator", "num_processes", "process_id")
-             if getattr(args, f, None) is not None]
+    flags = [
+      f
+      for f in ("coordinator", "num_processes", "process_id")
+      if getattr(args, f, None) is not None
+    ]
     if flags:
-      raise ConfigError(f"--{flags[0].replace('_', '-')}: a parallel sweep trains each run in "
-                        f"its own single-process worker; multi-process flags are for a "
-                        f"sequential sweep (leave out --parallel / --executor)")
+      raise ConfigError(
+        f"--{flags[0].replace('_', '-')}: a parallel sweep trains each run in "
+        f"its own single-process worker; multi-process flags are for a "
+        f"sequential sweep (leave out --parallel / --executor)"
+      )
     if kind == "slurm" and shutil.which("sbatch") is None:
       raise ConfigError("--executor slurm: sbatch not found; run the sweep on a SLURM login node")
     if kind == "slurm":
       n_devices = int(params.get("gpus_per_node") or params.get("slurm_gpus_per_node") or 1)
     else:
       n_devices = ex.make_slots(parallel or 1)[0].n_devices
-    ex.check_runs(sweep, n_devices)   # the parent touches no device: workers get them
-    return run_sweep(sweep, None, out_dir, progress=not getattr(args, "quiet", False),
-                     parallel=parallel or (None if kind == "slurm" else 1),
-                     executor=kind, executor_params=params)
+    ex.check_runs(sweep, n_devices)  # the parent touches no device: workers get them
+    return run_sweep(
+      sweep,
+      None,
+      out_dir,
+      progress=not getattr(args, "quiet", False),
+      parallel=parallel or (None if kind == "slurm" else 1),
+      executor=kind,
+      executor_params=params,
+    )
   if not args.dry_run:
     import dataclasses
 
     from mhc_jax.train.dist import init_distributed
+
     cfg = init_distributed(sweep.runs[0].cfg, args)
     if cfg.dist != sweep.runs[0].cfg.dist:
-      sweep.runs = [dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, dist=cfg.dist))
-                    for r in sweep.runs]
+      sweep.runs = [
+        dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, dist=cfg.dist)) for r in sweep.runs
+      ]
   setups = grid.prepare_runs(sweep)
   if args.dry_run:
     print_dry_run(sweep, setups, out_dir)
@@ -433,4 +518,5 @@ def main(args) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
   from mhc_jax.cli import main as _cli
+
   sys.exit(_cli(["sweep", *sys.argv[1:]]))

@@ -13,6 +13,7 @@ Fault injection for tests: ``MHC_SWEEP_PLANT=RUN@STEP:KIND`` makes run RUN crash
 for training batch STEP, with KIND ``abort`` (SIGABRT, like a crash inside XLA), ``kill``
 (SIGKILL, like the out-of-memory killer) or ``raise`` (a Python exception).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,6 +36,7 @@ __all__ = ["train_claimed", "run_unit", "main", "pin_cpus", "EXIT_NOT_CLAIMED"]
 # ------------------------------------------------------------------------------------------
 # Placement (before jax is imported).
 
+
 def pin_cpus(cpus: list[int] | None) -> None:
   """Restrict every thread of this process to `cpus` -- after XLA's CPU client exists, so its
   intra-op thread pool keeps the size it has in a sequential sweep (the pool's size decides
@@ -43,7 +45,8 @@ def pin_cpus(cpus: list[int] | None) -> None:
   if not cpus or not hasattr(os, "sched_setaffinity"):
     return
   import jax
-  jax.devices()   # the backend and its thread pools, sized to all the cores
+
+  jax.devices()  # the backend and its thread pools, sized to all the cores
   try:
     tids = [int(t) for t in os.listdir("/proc/self/task")]
   except OSError:
@@ -57,6 +60,7 @@ def pin_cpus(cpus: list[int] | None) -> None:
 
 # ------------------------------------------------------------------------------------------
 # Fault injection.
+
 
 class _PlantedSource:
   """A data source that crashes the process at one training batch."""
@@ -85,6 +89,7 @@ def _plant(name: str, setup):
     run, _, step = where.partition("@")
     if run == name and kind in ("abort", "kill", "raise") and step.isdigit():
       import dataclasses
+
       return dataclasses.replace(setup, source=_PlantedSource(setup.source, int(step), kind))
   return setup
 
@@ -92,14 +97,23 @@ def _plant(name: str, setup):
 # ------------------------------------------------------------------------------------------
 # Training claimed runs.
 
+
 def _is_main() -> bool:
   import jax
+
   return jax.process_index() == 0
 
 
-def train_claimed(manifest: Manifest, me: Worker, sweep_dir: Path, names: list[str],
-                  setups: dict, *, progress: bool = False,
-                  say: Callable[[str, str], None] | None = None) -> dict:
+def train_claimed(
+  manifest: Manifest,
+  me: Worker,
+  sweep_dir: Path,
+  names: list[str],
+  setups: dict,
+  *,
+  progress: bool = False,
+  say: Callable[[str, str], None] | None = None,
+) -> dict:
   """Train runs `names`, already claimed by `me` (all processes of a multi-process run call
   this; only process 0 writes), as one population when there are several; record each result.
 
@@ -132,7 +146,7 @@ def train_claimed(manifest: Manifest, me: Worker, sweep_dir: Path, names: list[s
   for n in names:
     rdir = sweep_dir / m["runs"][n]["dir"]
     how = prepare_run_dir(rdir, setups[n].cfg)
-    if how == "done":   # finished, but killed before the manifest said so
+    if how == "done":  # finished, but killed before the manifest said so
       summary = json.loads((rdir / "summary.json").read_text())
       record(n, "done", summary=summary, wall=float(summary.get("wall_s") or 0.0))
     else:
@@ -144,8 +158,11 @@ def train_claimed(manifest: Manifest, me: Worker, sweep_dir: Path, names: list[s
     step = max(checkpoint_steps(rdir), default=0) if how == "resume" else 0
     if main:
       manifest.update_run(n, me.token, resumed_from=step)
-    say(n, (f"resuming from step {step}" if how == "resume" else "starting")
-        + (f" (population of {len(live)})" if len(live) > 1 else ""))
+    say(
+      n,
+      (f"resuming from step {step}" if how == "resume" else "starting")
+      + (f" (population of {len(live)})" if len(live) > 1 else ""),
+    )
   run_setups = {n: _plant(n, setups[n]) for n, _, _ in live}
   t0 = time.perf_counter()
   beat = Heartbeat(manifest, me, [n for n, _, _ in live]) if main else None
@@ -161,8 +178,13 @@ def train_claimed(manifest: Manifest, me: Worker, sweep_dir: Path, names: list[s
           out = [e]
       else:
         from mhc_jax.sweep import population
-        out = population.train_population([run_setups[n] for n, _, _ in live],
-                                          [d for _, d, _ in live], resume=True, progress=progress)
+
+        out = population.train_population(
+          [run_setups[n] for n, _, _ in live],
+          [d for _, d, _ in live],
+          resume=True,
+          progress=progress,
+        )
     finally:
       if beat is not None:
         beat.__exit__(None, None, None)
@@ -172,7 +194,7 @@ def train_claimed(manifest: Manifest, me: Worker, sweep_dir: Path, names: list[s
         manifest.finish(n, me.token, "pending", error=f"preempted: {e}")
       results[n] = "pending"
     return {"results": results, "preempted": True, "message": str(e)}
-  except RunLocked as e:   # a trainer outside the manifest (or one that lost its claim) has it
+  except RunLocked as e:  # a trainer outside the manifest (or one that lost its claim) has it
     for n, _, _ in live:
       if main:
         manifest.finish(n, me.token, "pending", error=f"run directory in use: {e}")
@@ -195,13 +217,16 @@ def train_claimed(manifest: Manifest, me: Worker, sweep_dir: Path, names: list[s
 
 def _sync(name: str) -> None:
   import jax
+
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices(name)
 
 
 # ------------------------------------------------------------------------------------------
 # A worker process.
+
 
 def run_unit(sweep_dir: str | os.PathLike, spec: dict) -> int:
   """Claim and train one unit in this process (see the module docstring); the exit code."""
@@ -221,6 +246,7 @@ def run_unit(sweep_dir: str | os.PathLike, spec: dict) -> int:
   try:
     from mhc_jax.train.config import from_dict
     from mhc_jax.train.loop import prepare
+
     setups = {n: prepare(from_dict(spec["runs"][n]["config"])) for n in claimed}
   except Exception as e:  # noqa: BLE001 - e.g. a data file gone since the sweep was checked
     traceback.print_exc()

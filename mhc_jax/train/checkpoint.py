@@ -1,4 +1,5 @@
 """Orbax checkpoints of the train state plus host-side state (spike monitor, divergence rule)."""
+
 from __future__ import annotations
 
 import os
@@ -13,10 +14,12 @@ class Checkpoints:
   save asynchronously."""
 
   def __init__(self, directory, keep: int | None = 2, async_save: bool = True):
-    self.dir = storage.path(os.path.abspath(directory) if storage.is_local(directory)
-                            else directory)
-    opts = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                        enable_async_checkpointing=async_save)
+    self.dir = storage.path(
+      os.path.abspath(directory) if storage.is_local(directory) else directory
+    )
+    opts = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+    )
     self.mngr = ocp.CheckpointManager(self.dir, options=opts, item_names=("state", "host"))
 
   def latest(self) -> int | None:
@@ -26,15 +29,22 @@ class Checkpoints:
     return sorted(self.mngr.all_steps())
 
   def save(self, step: int, state, host: dict, force: bool = False) -> None:
-    self.mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                 host=ocp.args.JsonSave(host)), force=force)
+    self.mngr.save(
+      step,
+      args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
+      force=force,
+    )
 
   def restore(self, abstract_state, step: int | None = None):
     """(state, host dict) at ``step`` (default: the latest), straight into the shardings of
     ``abstract_state`` (ShapeDtypeStructs: nothing is allocated before the restore)."""
     step = self.latest() if step is None else step
-    out = self.mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), host=ocp.args.JsonRestore()))
+    out = self.mngr.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), host=ocp.args.JsonRestore()
+      ),
+    )
     return out["state"], out["host"]
 
   def prune_after(self, step: int) -> None:

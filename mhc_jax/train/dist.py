@@ -1,6 +1,7 @@
 """Multi-process start-up and agreement: ``jax.distributed.initialize`` from the config, flags
 or MHC_* environment; process 0's values broadcast to all; barriers; the SIGTERM step all
 processes agree on. In a single process every function here is a cheap no-op."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,8 +12,14 @@ import numpy as np
 
 from mhc_jax.errors import ConfigError
 
-__all__ = ["init_distributed", "is_main", "broadcast_str", "sync", "preemption_check",
-           "in_main_thread"]
+__all__ = [
+  "init_distributed",
+  "is_main",
+  "broadcast_str",
+  "sync",
+  "preemption_check",
+  "in_main_thread",
+]
 
 
 def init_distributed(cfg, args=None):
@@ -21,6 +28,7 @@ def init_distributed(cfg, args=None):
   environment ask for several processes (flags win over the config, the config over the
   environment)."""
   from mhc_jax.train.config import resolve_dist
+
   dist = cfg.dist
   flags = {k: getattr(args, k, None) for k in ("coordinator", "num_processes", "process_id")}
   flags = {k: v for k, v in flags.items() if v is not None}
@@ -33,6 +41,7 @@ def init_distributed(cfg, args=None):
   if missing:
     raise ConfigError(f"dist.{missing[0]}: required for a multi-process run")
   import jax
+
   if jax.config.jax_platforms in (None, "", "cpu") or os.environ.get("JAX_PLATFORMS") == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(dist.coordinator, dist.num_processes, dist.process_id)
@@ -41,6 +50,7 @@ def init_distributed(cfg, args=None):
 
 def is_main() -> bool:
   import jax
+
   return jax.process_index() == 0
 
 
@@ -48,12 +58,14 @@ def broadcast_str(text: str, size: int = 4096) -> str:
   """Process 0's ``text`` on every process (e.g. a default run directory, which holds the
   time of day, or process 0's verdict on a run directory)."""
   import jax
+
   if jax.process_count() == 1:
     return text
   from jax.experimental import multihost_utils
+
   raw = np.zeros(size, np.uint8)
   data = text.encode()[:size]
-  raw[:len(data)] = np.frombuffer(data, np.uint8)
+  raw[: len(data)] = np.frombuffer(data, np.uint8)
   raw = np.asarray(multihost_utils.broadcast_one_to_all(raw))
   return raw.tobytes().rstrip(b"\0").decode(errors="replace")
 
@@ -61,8 +73,10 @@ def broadcast_str(text: str, size: int = 4096) -> str:
 def sync(name: str) -> None:
   """A barrier across processes (no-op in one process)."""
   import jax
+
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices(name)
 
 
@@ -73,9 +87,11 @@ def preemption_check():
   returns ``step -> bool``, to be called at every step. None in a single process (a plain
   SIGTERM handler does) or when the service is off."""
   import jax
+
   if jax.process_count() == 1 or not jax.config.jax_enable_preemption_service:
     return None
   from jax.experimental import multihost_utils
+
   return multihost_utils.reached_preemption_sync_point
 
 

@@ -16,6 +16,7 @@ the member's last checkpoint. Each run directory is locked while it is trained
 position included: batch ``i`` is a pure function of ``(seed, i)``) straight into its shards;
 resuming a finished run changes nothing. Only process 0 writes files.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,8 +41,17 @@ from mhc_jax.train.recorder import Recorder
 from mhc_jax.train.state import abstract_boxed, abstract_state, create_state, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
 
-__all__ = ["Setup", "prepare", "host_batch", "is_diag_step", "is_due", "train", "run_members",
-           "RunHalted", "Preempted"]
+__all__ = [
+  "Setup",
+  "prepare",
+  "host_batch",
+  "is_diag_step",
+  "is_due",
+  "train",
+  "run_members",
+  "RunHalted",
+  "Preempted",
+]
 
 
 @dataclasses.dataclass
@@ -58,8 +68,9 @@ def prepare(cfg: Config, devices=None) -> Setup:
   ``jax.devices()[:1]`` for a one-device run in a process that has more.
   """
   try:
-    source = data.make_source(cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed,
-                              **cfg.data.options)
+    source = data.make_source(
+      cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
+    )
   except (ValueError, FileNotFoundError) as e:
     raise ConfigError(f"data.options: {e}") from None
   cfg = with_data_vocab(cfg, source.vocab_size)
@@ -69,8 +80,10 @@ def prepare(cfg: Config, devices=None) -> Setup:
     try:
       source.batch(0, cfg.data.batch_size, "validation")
     except ValueError as e:
-      raise ConfigError(f"data.options: {e} (train.eval_every={cfg.train.eval_every} evaluates "
-                        f"on the validation split)") from None
+      raise ConfigError(
+        f"data.options: {e} (train.eval_every={cfg.train.eval_every} evaluates "
+        f"on the validation split)"
+      ) from None
   try:  # shapes only: what the option types cannot say (e.g. mhc_lite's n! permutations)
     tx, _ = make_optimizer(cfg.optim, cfg.train.steps)
     abstract_boxed(Transformer(cfg.model), jnp.zeros((1, cfg.data.seq_len), jnp.int32), tx)
@@ -112,6 +125,7 @@ def mean_over_batches(eval_fn, params, batch_fn, n: int):
 # ------------------------------------------------------------------------------------------
 # A single run as a program of one member.
 
+
 class SingleProgram:
   """How a single run's state is made, stepped, evaluated (the engine's program interface:
   ``n``, ``init``, ``abstract``, ``stack``, ``member``, ``step``, ``evaluate``, ``to_host``,
@@ -126,8 +140,12 @@ class SingleProgram:
     self.tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
     self.example = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
     self.shard = state_shardings(self.model, self.example, self.tx, mesh)
-    self._step = jax.jit(make_train_step(self.model, self.tx, schedule, cfg), static_argnums=2,
-                         donate_argnums=0, out_shardings=(self.shard, sh.replicated(mesh)))
+    self._step = jax.jit(
+      make_train_step(self.model, self.tx, schedule, cfg),
+      static_argnums=2,
+      donate_argnums=0,
+      out_shardings=(self.shard, sh.replicated(mesh)),
+    )
     self._eval = jax.jit(make_eval_step(self.model, cfg), out_shardings=sh.replicated(mesh))
 
   def init(self):
@@ -149,19 +167,21 @@ class SingleProgram:
     return self._step(state, self.batch(step), diag)
 
   def evaluate(self, state):
-    return mean_over_batches(self._eval, state.params,
-                             lambda i: self.batch(i, "validation"), self.cfg.data.eval_batches)
+    return mean_over_batches(
+      self._eval, state.params, lambda i: self.batch(i, "validation"), self.cfg.data.eval_batches
+    )
 
   def to_host(self, tree) -> dict:
     return {k: np.asarray(v)[None] for k, v in jax.device_get(tree).items()}
 
   def trace(self) -> None:
     """Trace the step (and the evaluation) on abstract values: shape errors without compiling."""
+
     def shapes(b):
       return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in b.items()}
+
     state = self.abstract()
-    self._step.trace(state, shapes(host_batch(self.source, self.cfg, 0)),
-                     is_diag_step(self.cfg, 0))
+    self._step.trace(state, shapes(host_batch(self.source, self.cfg, 0)), is_diag_step(self.cfg, 0))
     if self.cfg.train.eval_every:
       self._eval.trace(state.params, shapes(host_batch(self.source, self.cfg, 0, "validation")))
 
@@ -171,6 +191,7 @@ class SingleProgram:
 
 # ------------------------------------------------------------------------------------------
 # The engine.
+
 
 class _Progress:
   """tqdm on a terminal; plain periodic lines otherwise (logs, CI)."""
@@ -187,16 +208,20 @@ class _Progress:
       return
     if self.n == 1:
       rec = recs[0]
-      text = (f"loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.3g} "
-              f"tok/s {rec.get('tokens_per_s', float('nan')):.0f}")
+      text = (
+        f"loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.3g} "
+        f"tok/s {rec.get('tokens_per_s', float('nan')):.0f}"
+      )
     else:
       text = f"population of {self.n}: loss " + " ".join(f"{r['loss']:.4g}" for r in recs)
     if self.bar is not None:
       self.bar.set_postfix_str(text, refresh=False)
       self.bar.update(1)
     elif (step + 1) % self.every == 0 or step + 1 == self.total:
-      print(f"step {step + 1}/{self.total} {text} elapsed {time.perf_counter() - self.t0:.0f}s",
-            flush=True)
+      print(
+        f"step {step + 1}/{self.total} {text} elapsed {time.perf_counter() - self.t0:.0f}s",
+        flush=True,
+      )
 
   def close(self):
     if self.bar is not None:
@@ -225,8 +250,9 @@ def _results(summaries: list) -> list:
   return [RunHalted(s["message"]) if s.get("status") == "halted" else s for s in summaries]
 
 
-def run_members(program, cfgs, run_dirs, *, resume: bool, progress: bool,
-                extra: list | None = None) -> list:
+def run_members(
+  program, cfgs, run_dirs, *, resume: bool, progress: bool, extra: list | None = None
+) -> list:
   """Train ``program``'s members into ``run_dirs`` (one each; ``cfgs`` their configs).
 
   Returns one entry per member: its summary dict, or the RunHalted it was halted with.
@@ -243,14 +269,14 @@ def run_members(program, cfgs, run_dirs, *, resume: bool, progress: bool,
       if not resume:
         for d in run_dirs:
           if rundir.holds_run(d):
-            raise FileExistsError(f"{d} already holds a run; resume=True continues it "
-                                  f"(runs are never overwritten)")
+            raise FileExistsError(
+              f"{d} already holds a run; resume=True continues it (runs are never overwritten)"
+            )
     if resume:
       done = _finished(run_dirs)
       if done is not None:
         return _results(done)
-    return _run(program, cfgs, run_dirs, resume, progress and main, main,
-                extra or [None] * n)
+    return _run(program, cfgs, run_dirs, resume, progress and main, main, extra or [None] * n)
 
 
 def _run(program, cfgs, run_dirs, resume, progress, main, extra) -> list:
@@ -285,7 +311,7 @@ def _run(program, cfgs, run_dirs, resume, progress, main, extra) -> list:
   halted = [""] * n
   bar = _Progress(steps, start, progress, n)
   stop = {"sigterm": False}
-  preemption = dist.preemption_check()   # multi-process: a SIGTERM step all processes agree on
+  preemption = dist.preemption_check()  # multi-process: a SIGTERM step all processes agree on
   old_handler = None
   if preemption is None and dist.in_main_thread():
     old_handler = signal.signal(signal.SIGTERM, lambda *_: stop.update(sigterm=True))
@@ -310,7 +336,7 @@ def _run(program, cfgs, run_dirs, resume, progress, main, extra) -> list:
     return any_halt
 
   def save_all(force: bool) -> None:
-    for r in recorders:   # the logs of the steps a checkpoint holds are stored before it
+    for r in recorders:  # the logs of the steps a checkpoint holds are stored before it
       r.flush()
     for i, ck in enumerate(ckpts):
       member = program.member(state, i)
@@ -320,7 +346,7 @@ def _run(program, cfgs, run_dirs, resume, progress, main, extra) -> list:
 
   pending = None
   step = start
-  sync_each = cfg.train.nonfinite == "halt"   # halt must stop before another update is applied
+  sync_each = cfg.train.nonfinite == "halt"  # halt must stop before another update is applied
   preempted = failed = False
   try:
     for step in range(start, steps):
@@ -383,8 +409,9 @@ def _finish(program, state, recorders, halted, preempted, failed, step) -> list:
       status = "preempted"
     else:
       status = "done"
-    msg = halted[i] or (f"SIGTERM at step {step}: checkpoint saved" if status == "preempted"
-                        else "")
+    msg = halted[i] or (
+      f"SIGTERM at step {step}: checkpoint saved" if status == "preempted" else ""
+    )
     out.append(r.finish(status, msg, *info))
   return out
 
@@ -396,9 +423,9 @@ def train(setup: Setup, run_dir, resume: bool = False, progress: bool = True) ->
   ``run_dir`` holds a run and ``resume`` is False (runs are never overwritten); RunLocked
   when another trainer holds ``run_dir``.
   """
-  (result,) = run_members(SingleProgram(setup), [setup.cfg], [run_dir], resume=resume,
-                          progress=progress)
+  (result,) = run_members(
+    SingleProgram(setup), [setup.cfg], [run_dir], resume=resume, progress=progress
+  )
   if isinstance(result, RunHalted):
     raise result
   return result if dist.is_main() else {}
-

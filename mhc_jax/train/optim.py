@@ -26,83 +26,87 @@ _DECAY_PREFIXES = ("w_", "phi")
 
 
 def make_schedule(optim: OptimConfig, total_steps: int, *, lr: Any = None) -> optax.Schedule:
-    """Linear warm-up 0 -> lr over `optim.warmup_steps`, then to min_lr_ratio*lr at `total_steps`
-    by a cosine or a straight line, or constant lr. Steps past the end hold the final value.
+  """Linear warm-up 0 -> lr over `optim.warmup_steps`, then to min_lr_ratio*lr at `total_steps`
+  by a cosine or a straight line, or constant lr. Steps past the end hold the final value.
 
-    `lr` overrides optim.lr and may be a traced array (a vmapped population of learning rates).
-    Value at step 0 is 0 when there is a warm-up (the first update is a no-op), lr otherwise.
-    """
-    peak = optim.lr if lr is None else lr
-    warmup = int(optim.warmup_steps)
-    decay_len = max(int(total_steps) - warmup, 1)
-    end = optim.min_lr_ratio * peak
-    kind = optim.schedule
+  `lr` overrides optim.lr and may be a traced array (a vmapped population of learning rates).
+  Value at step 0 is 0 when there is a warm-up (the first update is a no-op), lr otherwise.
+  """
+  peak = optim.lr if lr is None else lr
+  warmup = int(optim.warmup_steps)
+  decay_len = max(int(total_steps) - warmup, 1)
+  end = optim.min_lr_ratio * peak
+  kind = optim.schedule
 
-    def schedule(step):
-        step = jnp.asarray(step, jnp.float32)
-        t = jnp.clip((step - warmup) / decay_len, 0.0, 1.0)
-        if kind == "cosine":
-            after = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
-        elif kind == "linear":
-            after = peak + (end - peak) * t
-        else:
-            after = peak * jnp.ones_like(t)
-        if warmup == 0:
-            return after
-        return jnp.where(step < warmup, peak * step / warmup, after)
+  def schedule(step):
+    step = jnp.asarray(step, jnp.float32)
+    t = jnp.clip((step - warmup) / decay_len, 0.0, 1.0)
+    if kind == "cosine":
+      after = end + (peak - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * t))
+    elif kind == "linear":
+      after = peak + (end - peak) * t
+    else:
+      after = peak * jnp.ones_like(t)
+    if warmup == 0:
+      return after
+    return jnp.where(step < warmup, peak * step / warmup, after)
 
-    return schedule
+  return schedule
 
 
 def _leaf_name(path) -> str | None:
-    """Last dict key on a pytree path (skips the `.value` attribute of flax metadata boxes)."""
-    for k in reversed(path):
-        if isinstance(k, jax.tree_util.DictKey):
-            return str(k.key)
-    return None
+  """Last dict key on a pytree path (skips the `.value` attribute of flax metadata boxes)."""
+  for k in reversed(path):
+    if isinstance(k, jax.tree_util.DictKey):
+      return str(k.key)
+  return None
 
 
 def decays(name: str | None) -> bool:
-    """Whether a parameter with this leaf name gets weight decay: matrices and embeddings
-    (`kernel`, `embedding`) and mixer dynamic weights (`w_*`, `phi*`). Not: norm `scale`,
-    `bias`, mixer static parts (`b_*`), scalar gates (`alpha_*`, `s_*`), unnamed leaves."""
-    if name is None:
-        return False
-    return name in _DECAY_NAMES or name.startswith(_DECAY_PREFIXES)
+  """Whether a parameter with this leaf name gets weight decay: matrices and embeddings
+  (`kernel`, `embedding`) and mixer dynamic weights (`w_*`, `phi*`). Not: norm `scale`,
+  `bias`, mixer static parts (`b_*`), scalar gates (`alpha_*`, `s_*`), unnamed leaves."""
+  if name is None:
+    return False
+  return name in _DECAY_NAMES or name.startswith(_DECAY_PREFIXES)
 
 
 def decay_mask(params) -> Any:
-    """Pytree of bools with the structure of `params` (boxed or not): True = apply weight decay."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: decays(_leaf_name(path)), params)
+  """Pytree of bools with the structure of `params` (boxed or not): True = apply weight decay."""
+  return jax.tree_util.tree_map_with_path(lambda path, _: decays(_leaf_name(path)), params)
 
 
-def make_optimizer(optim: OptimConfig, total_steps: int, *,
-                   lr: Any = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(transformation, schedule) for `optim`.
+def make_optimizer(
+  optim: OptimConfig, total_steps: int, *, lr: Any = None
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """(transformation, schedule) for `optim`.
 
-    chain(clip_by_global_norm(clip) [off when clip is 0/None],
-          AdamW(schedule, b1, b2, eps, weight_decay, mask=decay_mask)).
+  chain(clip_by_global_norm(clip) [off when clip is 0/None],
+        AdamW(schedule, b1, b2, eps, weight_decay, mask=decay_mask)).
 
-    independent_wd=False (optax/PyTorch AdamW):  p -= lr(t) * (adam + wd * p)
-    independent_wd=True:                          p -= lr(t) * adam + wd * (lr(t)/lr) * p
-      (built as scale_by_adam -> add_decayed_weights(wd/lr) -> scale_by_learning_rate(schedule):
-       lr(t) * (adam + (wd/lr) p) is the line above.)
+  independent_wd=False (optax/PyTorch AdamW):  p -= lr(t) * (adam + wd * p)
+  independent_wd=True:                          p -= lr(t) * adam + wd * (lr(t)/lr) * p
+    (built as scale_by_adam -> add_decayed_weights(wd/lr) -> scale_by_learning_rate(schedule):
+     lr(t) * (adam + (wd/lr) p) is the line above.)
 
-    `lr` overrides optim.lr and may be a traced array (a population of learning rates).
-    """
-    peak = optim.lr if lr is None else lr
-    wd = optim.weight_decay
-    schedule = make_schedule(optim, total_steps, lr=peak)
-    parts = []
-    if optim.clip:
-        parts.append(optax.clip_by_global_norm(optim.clip))
-    if optim.independent_wd:
-        parts += [
-            optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
-            optax.add_decayed_weights(wd / peak, mask=decay_mask),
-            optax.scale_by_learning_rate(schedule),
-        ]
-    else:
-        parts.append(optax.adamw(schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps,
-                                 weight_decay=wd, mask=decay_mask))
-    return optax.chain(*parts), schedule
+  `lr` overrides optim.lr and may be a traced array (a population of learning rates).
+  """
+  peak = optim.lr if lr is None else lr
+  wd = optim.weight_decay
+  schedule = make_schedule(optim, total_steps, lr=peak)
+  parts = []
+  if optim.clip:
+    parts.append(optax.clip_by_global_norm(optim.clip))
+  if optim.independent_wd:
+    parts += [
+      optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
+      optax.add_decayed_weights(wd / peak, mask=decay_mask),
+      optax.scale_by_learning_rate(schedule),
+    ]
+  else:
+    parts.append(
+      optax.adamw(
+        schedule, b1=optim.b1, b2=optim.b2, eps=optim.eps, weight_decay=wd, mask=decay_mask
+      )
+    )
+  return optax.chain(*parts), schedule

@@ -18,6 +18,7 @@ Rules, per handled step:
   and otherwise ends with status ``diverged``;
 - ``train.nonfinite=halt`` halts at the first non-finite step.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +33,6 @@ __all__ = ["Recorder"]
 
 
 class Recorder:
-
   def __init__(self, run_dir, cfg, *, main: bool, extra: dict | None = None):
     self.dir = storage.path(run_dir)
     self.cfg = cfg
@@ -41,7 +41,7 @@ class Recorder:
     t = cfg.train
     self.monitor = spikes.SpikeMonitor(window=t.spike_window, threshold=t.spike_threshold)
     self.divergence = spikes.DivergenceRule()
-    self.diverged: dict | None = None    # {"step", "reason"} once the rule fired
+    self.diverged: dict | None = None  # {"step", "reason"} once the rule fired
     self.halt_message = ""
     self.last_loss = math.nan
     self.last_eval: dict = {}
@@ -64,27 +64,33 @@ class Recorder:
     if not self.main:
       return
     from mhc_jax.train.config import DistConfig, save_config
+
     # without `dist`: coordinator and process id are the launch's (MHC_* variables, flags),
     # and a saved process id would make every process of a resumed run process 0
     save_config(dataclasses.replace(self.cfg, dist=DistConfig()), self.dir / "config.yaml")
     for name in ("metrics.jsonl", "events.jsonl"):
       logs.truncate_after(self.dir / name, start - 1)
     path = self.dir / "metrics.jsonl"
-    for r in logs.read_jsonl(path) if path.exists() else ():   # a resume with nothing left to do
+    for r in logs.read_jsonl(path) if path.exists() else ():  # a resume with nothing left to do
       self._remember(r)
     self.metrics = logs.JsonlWriter(self.dir / "metrics.jsonl")
     self.events = logs.JsonlWriter(self.dir / "events.jsonl")
     self._writers = [self.metrics, self.events]
     if self.cfg.train.tensorboard:
       from mhc_jax.tb import TBWriter
+
       self.tb = TBWriter(self.dir / "tb")
       self._writers.append(self.tb)
 
   def host_state(self, step: int) -> dict:
     """What a checkpoint at ``step`` keeps of this recorder (JSON)."""
-    return {"step": step, "monitor": self.monitor.state_dict(),
-            "divergence": self.divergence.state_dict(), "diverged": self.diverged,
-            "wall_s": self.wall_s()}
+    return {
+      "step": step,
+      "monitor": self.monitor.state_dict(),
+      "divergence": self.divergence.state_dict(),
+      "diverged": self.diverged,
+      "wall_s": self.wall_s(),
+    }
 
   def wall_s(self) -> float:
     return self.wall_before + time.perf_counter() - self.t0
@@ -113,19 +119,33 @@ class Recorder:
     fired = self.divergence.update(rec["loss"] if finite else math.nan)
     if fired and self.diverged is None:
       self.diverged = {"step": step, "reason": self.divergence.reason}
-      events.append({"step": step, "kind": "divergence", "value": rec["loss"],
-                     "threshold": float(self.divergence.threshold), "reason": self.divergence.reason})
+      events.append(
+        {
+          "step": step,
+          "kind": "divergence",
+          "value": rec["loss"],
+          "threshold": float(self.divergence.threshold),
+          "reason": self.divergence.reason,
+        }
+      )
     halt = None
     if not finite and cfg.nonfinite == "halt":
-      halt = (f"non-finite loss or gradient at step {step} (policy train.nonfinite=halt); "
-              f"the update was not applied")
+      halt = (
+        f"non-finite loss or gradient at step {step} (policy train.nonfinite=halt); "
+        f"the update was not applied"
+      )
     elif fired and cfg.halt_on_divergence:
       d = self.diverged
-      halt = (f"loss diverged at step {d['step']} ({d['reason']}); "
-              f"train.halt_on_divergence=true")
+      halt = f"loss diverged at step {d['step']} ({d['reason']}); train.halt_on_divergence=true"
     if self.main:
-      if (step % cfg.log_every == 0 or step == cfg.steps - 1 or "gain_fwd" in rec or has_eval
-          or not finite or halt):
+      if (
+        step % cfg.log_every == 0
+        or step == cfg.steps - 1
+        or "gain_fwd" in rec
+        or has_eval
+        or not finite
+        or halt
+      ):
         self.metrics.write({"step": step, **rec})
         if self.tb is not None:
           self.tb.write({"step": step, **rec})
@@ -147,22 +167,33 @@ class Recorder:
       w.close()
     self._writers = []
 
-  def summary(self, status: str, message: str, steps: int | None, params: dict | None,
-              nonfinite: int | None) -> dict:
+  def summary(
+    self, status: str, message: str, steps: int | None, params: dict | None, nonfinite: int | None
+  ) -> dict:
     return {
-        "status": status, "message": message, "steps": steps, "final_loss": self.last_loss,
-        "wall_s": self.wall_s(), "params": params, "nonfinite": nonfinite,
-        "spikes": self.monitor.total_spikes, "divergence": self.diverged, **self.last_eval,
-        **self.extra,
+      "status": status,
+      "message": message,
+      "steps": steps,
+      "final_loss": self.last_loss,
+      "wall_s": self.wall_s(),
+      "params": params,
+      "nonfinite": nonfinite,
+      "spikes": self.monitor.total_spikes,
+      "divergence": self.diverged,
+      **self.last_eval,
+      **self.extra,
     }
 
-  def finish(self, status: str, message: str, steps: int | None, params: dict | None,
-             nonfinite: int | None) -> dict:
+  def finish(
+    self, status: str, message: str, steps: int | None, params: dict | None, nonfinite: int | None
+  ) -> dict:
     """Close the logs and write summary.json (process 0); returns the summary."""
     if status == "done" and self.diverged is not None:
       status = "diverged"
-      message = message or (f"the loss diverged at step {self.diverged['step']} "
-                            f"({self.diverged['reason']}); train.halt_on_divergence is off")
+      message = message or (
+        f"the loss diverged at step {self.diverged['step']} "
+        f"({self.diverged['reason']}); train.halt_on_divergence is off"
+      )
     s = self.summary(status, message, steps, params, nonfinite)
     self.close()
     if self.main:

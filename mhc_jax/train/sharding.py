@@ -5,6 +5,7 @@ it), ``tensor`` (model parallel over heads / MLP hidden / vocab). Parameters car
 (``embed``, ``mlp``, ``heads``, ``kv``, ``vocab``, ``layers``, ``streams``); ``RULES`` maps them
 to mesh axes. A dimension that does not divide evenly over its mesh axes is replicated.
 """
+
 from __future__ import annotations
 
 import flax.linen as nn
@@ -17,23 +18,24 @@ from mhc_jax.train.config import MeshConfig, validate_mesh
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
 RULES = (
-    ("embed", "fsdp"),
-    ("streams_embed", "fsdp"),
-    ("mlp", "tensor"),
-    ("heads", "tensor"),
-    ("vocab", "tensor"),
-    ("kv", None),
-    ("layers", None),
-    ("streams", None),
+  ("embed", "fsdp"),
+  ("streams_embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("vocab", "tensor"),
+  ("kv", None),
+  ("layers", None),
+  ("streams", None),
 )
 
 
-def make_mesh(mesh_cfg: MeshConfig, batch_size: int | None = None, devices=None) -> jax.sharding.Mesh:
+def make_mesh(
+  mesh_cfg: MeshConfig, batch_size: int | None = None, devices=None
+) -> jax.sharding.Mesh:
   """A (data, fsdp, tensor) mesh over all (or the given) devices; sizes validated first."""
   devices = jax.devices() if devices is None else devices
   shape = validate_mesh(mesh_cfg, len(devices), batch_size)
-  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                       devices=devices)
+  return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
 
 
 def fit_spec(spec: P, shape, mesh) -> P:
@@ -51,9 +53,11 @@ def shardings(abstract_tree, mesh) -> object:
   specs = nn.get_partition_spec(abstract_tree)
   mesh_specs = nn.logical_to_mesh(specs, RULES)
   return jax.tree.map(
-      lambda s, a: NamedSharding(mesh, fit_spec(s, a.shape, mesh)),
-      mesh_specs, nn.meta.unbox(abstract_tree),
-      is_leaf=lambda x: isinstance(x, P))
+    lambda s, a: NamedSharding(mesh, fit_spec(s, a.shape, mesh)),
+    mesh_specs,
+    nn.meta.unbox(abstract_tree),
+    is_leaf=lambda x: isinstance(x, P),
+  )
 
 
 def replicated(mesh) -> NamedSharding:
@@ -84,4 +88,4 @@ def local_rows(batch: dict) -> dict:
   n, i = jax.process_count(), jax.process_index()
   if n == 1:
     return batch
-  return {k: np.asarray(v)[i * (len(v) // n):(i + 1) * (len(v) // n)] for k, v in batch.items()}
+  return {k: np.asarray(v)[i * (len(v) // n) : (i + 1) * (len(v) // n)] for k, v in batch.items()}

@@ -1,4 +1,5 @@
 """The training state (a pytree) and its sharded creation under ``jax.jit``."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -13,10 +14,10 @@ from mhc_jax.train import sharding as sh
 
 @flax.struct.dataclass
 class State:
-  step: jax.Array        # number of updates applied (int32)
-  params: Any            # unboxed parameter pytree
+  step: jax.Array  # number of updates applied (int32)
+  params: Any  # unboxed parameter pytree
   opt_state: Any
-  nonfinite: jax.Array   # number of skipped non-finite updates (int32)
+  nonfinite: jax.Array  # number of skipped non-finite updates (int32)
 
 
 def abstract_boxed(model, example_tokens, tx):
@@ -28,8 +29,9 @@ def abstract_boxed(model, example_tokens, tx):
 def state_shardings(model, example_tokens, tx, mesh) -> State:
   params, opt = abstract_boxed(model, example_tokens, tx)
   rep = sh.replicated(mesh)
-  return State(step=rep, params=sh.shardings(params, mesh), opt_state=sh.shardings(opt, mesh),
-               nonfinite=rep)
+  return State(
+    step=rep, params=sh.shardings(params, mesh), opt_state=sh.shardings(opt, mesh), nonfinite=rep
+  )
 
 
 def create_state(model, example_tokens, tx, mesh, seed: int) -> tuple[State, State]:
@@ -38,8 +40,12 @@ def create_state(model, example_tokens, tx, mesh, seed: int) -> tuple[State, Sta
 
   def init(key):
     params = nn.meta.unbox(model.init(key, example_tokens))
-    return State(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params),
-                 nonfinite=jnp.zeros((), jnp.int32))
+    return State(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=tx.init(params),
+      nonfinite=jnp.zeros((), jnp.int32),
+    )
 
   return jax.jit(init, out_shardings=shard)(jax.random.PRNGKey(seed)), shard
 
@@ -47,6 +53,12 @@ def create_state(model, example_tokens, tx, mesh, seed: int) -> tuple[State, Sta
 def abstract_state(shard: State, model, example_tokens, tx) -> State:
   """ShapeDtypeStructs with shardings: what a checkpoint is restored into."""
   params, opt = abstract_boxed(model, example_tokens, tx)
-  shapes = State(step=jax.ShapeDtypeStruct((), jnp.int32), params=nn.meta.unbox(params),
-                 opt_state=nn.meta.unbox(opt), nonfinite=jax.ShapeDtypeStruct((), jnp.int32))
-  return jax.tree.map(lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d), shapes, shard)
+  shapes = State(
+    step=jax.ShapeDtypeStruct((), jnp.int32),
+    params=nn.meta.unbox(params),
+    opt_state=nn.meta.unbox(opt),
+    nonfinite=jax.ShapeDtypeStruct((), jnp.int32),
+  )
+  return jax.tree.map(
+    lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d), shapes, shard
+  )

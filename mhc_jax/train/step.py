@@ -6,14 +6,14 @@ untouched and is counted), and the metrics of docs/interfaces.md. With ``diag`` 
 probes added to the stream give dLoss/d(stream) at every mixer layer, and the per-layer
 diagnostics are computed on the device.
 """
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from mhc_jax import diagnostics as dg
-from mhc_jax import posterior
+from mhc_jax import diagnostics as dg, posterior
 from mhc_jax.model import zero_probes
 from mhc_jax.train.state import State
 
@@ -49,6 +49,7 @@ def make_loss(model, cfg):
       loss = loss * jnp.mean(batch["plant"])
     total = loss + cfg.train.z_loss * z
     return total, (loss, z, aux)
+
   return loss_fn
 
 
@@ -62,7 +63,8 @@ def make_train_step(model, tx, schedule, cfg):
     if diag:
       probes = zero_probes(cfg.model, b, t)
     (total, (loss, z, aux)), (grads, g_probe) = jax.value_and_grad(
-        loss_fn, argnums=(0, 1), has_aux=True)(state.params, probes, batch)
+      loss_fn, argnums=(0, 1), has_aux=True
+    )(state.params, probes, batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(total) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -70,16 +72,23 @@ def make_train_step(model, tx, schedule, cfg):
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     # the lr of this update: optax's schedule counts the updates applied, not the steps taken
     lr = schedule(state.step - state.nonfinite)
-    new = State(step=state.step + 1, params=keep(params, state.params),
-                opt_state=keep(opt_state, state.opt_state),
-                nonfinite=state.nonfinite + (~finite).astype(jnp.int32))
+    new = State(
+      step=state.step + 1,
+      params=keep(params, state.params),
+      opt_state=keep(opt_state, state.opt_state),
+      nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
+    )
     upd_rms = dg.tree_rms(updates)
     metrics = {
-        "loss": loss, "z_loss": z, "lr": lr, "grad_norm": grad_norm,
-        "grad_norm_clipped": jnp.minimum(grad_norm, clip) if clip > 0 else grad_norm,
-        "param_norm": dg.tree_norm(new.params),
-        "update_rms_lr": jnp.where(lr > 0, upd_rms / jnp.where(lr > 0, lr, 1.0), 0.0),
-        "nonfinite": new.nonfinite, "finite": finite,
+      "loss": loss,
+      "z_loss": z,
+      "lr": lr,
+      "grad_norm": grad_norm,
+      "grad_norm_clipped": jnp.minimum(grad_norm, clip) if clip > 0 else grad_norm,
+      "param_norm": dg.tree_norm(new.params),
+      "update_rms_lr": jnp.where(lr > 0, upd_rms / jnp.where(lr > 0, lr, 1.0), 0.0),
+      "nonfinite": new.nonfinite,
+      "finite": finite,
     }
     if diag:
       metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth)
@@ -93,8 +102,9 @@ def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
   L2 = 2 * depth
   g_layers, g_out = g_probe  # pytrees shaped like the mixer state ([L, 2, ...] in front)
   flat = [g.reshape((L2, -1)).astype(jnp.float32) for g in jax.tree.leaves(g_layers)]
-  grad_rms = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=1) for g in flat)
-                      / sum(g.shape[1] for g in flat))                    # [2L]
+  grad_rms = jnp.sqrt(
+    sum(jnp.sum(jnp.square(g), axis=1) for g in flat) / sum(g.shape[1] for g in flat)
+  )  # [2L]
   grad_out = dg.tree_rms(g_out)
   out = dg.layer_metrics(aux["stats"], grad_rms=grad_rms, grad_rms_out=grad_out)
   out["grad_rms"] = grad_rms
