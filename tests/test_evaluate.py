@@ -171,3 +171,40 @@ def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys, f
   assert f["reached"] is False  # two steps of training do not filter
   assert "header-only" in out and "last-obs" in out and "NOT reached" in out
   assert r["probes"]["drift"]["skipped"].startswith("needs 5+ checkpoints")
+
+
+def test_sweep_posteval_fills_eval_json_once(bijection_run, tmp_path, fast_compile):
+  """A sweep's `eval: N`: every done run with a checkpoint gets eval.json (its probe columns reach
+  the report), a failing run is reported, not fatal, and a second pass evaluates nothing."""
+  import shutil
+
+  from mhc_jax.sweep import posteval, report
+
+  out = tmp_path / "sweep"
+  shutil.copytree(bijection_run, out / "runs" / "good", ignore=shutil.ignore_patterns("eval.json"))
+  (out / "runs" / "broken" / "checkpoints" / "3").mkdir(parents=True)  # a checkpoint, no config
+  shutil.copytree(
+    bijection_run, out / "runs" / "failed", ignore=shutil.ignore_patterns("eval.json")
+  )
+  manifest = {
+    "runs": {
+      "good": {"status": "done", "dir": "runs/good"},
+      "broken": {"status": "done", "dir": "runs/broken"},
+      "failed": {"status": "failed", "dir": "runs/failed"},
+    }
+  }
+  assert [n for n, _ in posteval.pending(out, manifest)] == ["good", "broken"]
+  said = []
+  assert posteval.evaluate_runs(out, manifest, 1, said.append) == 1
+  assert any("good: KL" in s for s in said) and any("broken: failed" in s for s in said)
+  ev = json.loads((out / "runs" / "good" / "eval.json").read_text())
+  assert ev["step"] == 5 and ev["batches"] == 1
+  assert not (out / "runs" / "failed" / "eval.json").exists()  # only done runs
+  cols = report.eval_columns(out / "runs" / "good")
+  assert cols["eval_kl_bits"] == ev["metrics"]["kl_bits"] > 0
+  assert cols["probe_key_ratio"] == ev["probes"]["key_orthogonality"]["ratio_to_random"]
+  assert cols["probe_pc1_entropy"] == abs(ev["probes"]["pca_entropy"]["corr_pc1_entropy"])
+  assert [n for n, _ in posteval.pending(out, manifest)] == ["broken"]  # good is up to date
+  said.clear()
+  assert posteval.evaluate_runs(out, manifest, 1, said.append) == 1
+  assert not any("good" in s for s in said)

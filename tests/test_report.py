@@ -614,3 +614,71 @@ def test_finding_on_edge_cases(seeded):
     text in Path(paths["summary_md"]).read_text()
     and html.escape(text) in Path(paths["index_html"]).read_text()
   )
+
+
+def test_mixer_without_h_res_says_so_not_old_logs(tmp_path):
+  # diagnostics were logged (gain_fwd), but the mixer has no H_res: its composite columns are n/a
+  # with that reason, and the page does not call its logs "written before these metrics existed"
+  root = make_sweep(
+    tmp_path,
+    mixers=("mhc",),
+    depths=(2,),
+    lrs=None,
+    steps=30,
+    spike=None,
+    diverge=None,
+    pending=False,
+  )
+  (name,) = json.loads((root / "manifest.json").read_text())["runs"]
+  run = root / "runs" / name
+  recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+  assert any("gain_fwd" in r for r in recs) and any("amax_fwd_composite" in r for r in recs)
+  with open(run / "metrics.jsonl", "w") as f:
+    for r in recs:
+      f.write(json.dumps({k: v for k, v in r.items() if not k.startswith(("amax_", "amin_"))}))
+      f.write("\n")
+  df = summary_table(root)
+  assert "no H_res: composite gains n/a" in df["note"].iloc[0]
+  assert "no per-layer diagnostics" not in df["note"].iloc[0]
+  amax_cols = [c for c in df.columns if c.startswith(("amax_", "amin_"))]
+  assert amax_cols and df[amax_cols].isna().all().all()
+  assert np.isfinite(df["growth_exponent"]).all()  # the per-layer gains are still read
+  paths = write_report(root)
+  assert "written before these metrics existed" not in Path(paths["index_html"]).read_text()
+
+
+def test_logit_columns_and_eval_columns_from_raw_files(tmp_path):
+  run = tmp_path / "run"
+  write_run(run, mixer="hc", steps=20)
+  recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]
+  attn = {1: [1.0, 7.5, 2.0, 3.0], 10: [4.0, 2.0, 6.0, 1.0]}
+  with open(run / "metrics.jsonl", "w") as f:
+    for r in recs:
+      if r["step"] in attn:
+        r["attn_logit_max"] = attn[r["step"]]
+        r["out_logit_max"] = 3.0 * r["step"]
+        r["logsumexp_mean"] = -0.5 * r["step"]
+      f.write(json.dumps(r) + "\n")
+  row = summarize_run(run)
+  assert row["attn_logit_max"] == 7.5 and row["out_logit_max"] == 30.0
+  assert row["logz_absmax"] == 5.0
+  assert all(math.isnan(row[c]) for c in COLUMN_DOCS if c.startswith(("eval_", "probe_")))
+  (run / "eval.json").write_text(
+    json.dumps(
+      {
+        "step": 20,
+        "metrics": {"kl_bits": 0.25},
+        "probes": {
+          "key_orthogonality": {"ratio_to_random": 0.5},
+          "qk_alignment": {"attn_on_target": 0.9, "slope": None},
+          "pca_entropy": {"corr_pc1_entropy": -0.75},
+        },
+      }
+    )
+  )
+  row = summarize_run(run)
+  assert row["eval_kl_bits"] == 0.25 and row["probe_key_ratio"] == 0.5
+  assert row["probe_attn_on_target"] == 0.9 and math.isnan(row["probe_qk_slope"])  # skipped
+  assert row["probe_pc1_entropy"] == 0.75  # |corr|
+  (run / "eval.json").write_text("{not json")
+  assert math.isnan(summarize_run(run)["eval_kl_bits"])

@@ -113,12 +113,20 @@ def test_population_groups(tmp_path):
     ({"population": ["optim.lr"]}, "population.optim.lr: not an axis"),
     ({"sweeps": 1}, "sweeps: unknown sweep key"),
     ({"base": "configs/nothere.yaml"}, "base: configs/nothere.yaml not found"),
+    ({"eval": 0}, "eval: expected a positive number of validation batches, got 0"),
+    ({"eval": "4"}, "eval: expected a positive number of validation batches, got '4'"),
+    ({"eval": True}, "eval: expected a positive number of validation batches, got True"),
   ],
 )
 def test_bad_sweep_names_the_key(tmp_path, kw, where):
   with pytest.raises(ConfigError, match=None) as e:
     grid.load_sweep(_sweep(tmp_path, **kw))
   assert where in str(e.value)
+
+
+def test_eval_option_is_read(tmp_path):
+  assert grid.load_sweep(_sweep(tmp_path, eval=3)).options == {"eval": 3}
+  assert "eval" not in grid.load_sweep(_sweep(tmp_path)).options
 
 
 def test_culprit_is_the_axis_without_which_the_run_is_valid(tmp_path):

@@ -14,6 +14,7 @@ A sweep file (``configs/sweeps/*.yaml``) has these keys::
     parallel: 4                    # optional; runs trained at once (mhc_jax.sweep.executor)
     executor: {kind: slurm, ...}   # optional; process | submitit-local | slurm, + submitit params
     seeds: 3                       # optional; repeat every grid point over 3 seeds (see below)
+    eval: 4                        # optional; mhc-jax eval (probes) on 4 batches after each run
 
 Runs are named from their axis values, ``mixer=hc,depth=32`` (the last part of each dotted
 key, or the whole key where two axes share a last part; values as YAML scalars, floats in
@@ -96,6 +97,7 @@ SWEEP_KEYS = (
   "description",
   "parallel",
   "executor",
+  "eval",
 )
 #: Axes that leave every shape alone, so runs differing only in them can share one program.
 POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
@@ -260,7 +262,12 @@ def load_sweep(
 
   runs = [Run(n, ov, _validate_run(base_cfg_dict, ov, n)) for n, ov in expand(axes)]
   options = {k: data[k] for k in ("parallel", "executor") if data.get(k) is not None}
-  if options:  # how to run, not what: checked here, applied by the runner (sweep.executor)
+  if data.get("eval") is not None:  # mhc_jax.sweep.posteval: probes after each finished run
+    n = data["eval"]
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ConfigError(f"eval: expected a positive number of validation batches, got {n!r}")
+    options["eval"] = n
+  if set(options) & {"parallel", "executor"}:  # how to run, not what: applied by the runner
     from mhc_jax.sweep import executor
 
     if "parallel" in options:

@@ -48,6 +48,7 @@ __all__ = [
   "COLUMN_DOCS",
   "final_loss_of",
   "summarize_run",
+  "eval_columns",
   "summary_table",
   "lr_sensitivity_table",
   "LATER_COLUMNS",
@@ -103,6 +104,23 @@ COLUMN_DOCS: dict[str, str] = {
   "(1/(2L)) ln(RMS(x_2L)/RMS(x_0)), x_0 the stream entering the first mixer layer, x_2L the one leaving the "
   "last)",
   "kl_bits": "last logged eval/kl_bits (KL to the exact posterior, bits; wind tunnels only, else NaN)",
+  "attn_logit_max": "max over diagnostics steps and layers of attn_logit_max, the largest pre-softmax "
+  "attention logit (Wortsman et al.'s attention-logit growth); NaN without per-layer diagnostics",
+  "out_logit_max": "max over diagnostics steps of out_logit_max, the largest output logit; NaN without "
+  "per-layer diagnostics",
+  "logz_absmax": "max over diagnostics steps of |logsumexp_mean|, the mean log partition function of the "
+  "output softmax (the quantity z-loss pulls to 0; its drift is Wortsman et al.'s output-logit "
+  "divergence); NaN without per-layer diagnostics",
+  "eval_kl_bits": "eval.json (the sweep's post-run `eval: N`, mhc-jax eval on N validation batches): "
+  "KL(posterior || model) in bits per position at the last checkpoint; NaN without eval.json",
+  "probe_key_ratio": "eval.json: mean |cos| between hypothesis-grouped attention keys (pre-RoPE) over "
+  "that of random directions (1 = no more orthogonal than chance, lower = more orthogonal)",
+  "probe_attn_on_target": "eval.json: attention weight the retrieval head puts on the answer's position "
+  "(bijection)",
+  "probe_qk_slope": "eval.json: slope of the retrieval head's pre-RoPE query-key cosine against evidence "
+  "at fixed query-target distance (bijection)",
+  "probe_pc1_entropy": "eval.json: |corr(PC1 of the last block's stream, posterior entropy)| with position "
+  "partialled out (bijection new-key positions; HMM all positions)",
   "nonfinite": "last logged nonfinite counter (non-finite steps); where never logged, the number of "
   "logged non-finite losses; NA for a run with no metrics",
   "note": "what is missing or went wrong: no metrics yet, first non-finite loss, divergence event, "
@@ -275,6 +293,11 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
     else:
       out[col] = _nanmax(np.array([x[-1] for x in lists]))
   out["growth_exponent"] = _last(_scalars(records, "growth_exponent")[1])
+  attn = _layer_lists(records, "attn_logit_max")
+  out["attn_logit_max"] = _nanmax(np.concatenate(attn)) if attn else math.nan
+  out["out_logit_max"] = _nanmax(_scalars(records, "out_logit_max")[1])
+  out["logz_absmax"] = _nanmax(np.abs(_scalars(records, "logsumexp_mean")[1]))
+  out.update(eval_columns(run_dir))
   out["kl_bits"] = _last(_scalars(records, "eval/kl_bits")[1])
   _, nf = _scalars(records, "nonfinite")
   out["nonfinite"] = (
@@ -296,7 +319,13 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
       why = f" ({reason})" if isinstance(reason, str) else ""
       notes.append(f"divergence at step {int(div['step'].iloc[0])}{why}")
   if records and not _layer_lists(records, "amax_fwd_composite"):
-    notes.append("no per-layer diagnostics")
+    if _layer_lists(records, "gain_fwd"):  # diagnostics, but a mixer without H_res
+      notes.append("no H_res: composite gains n/a")
+      not_logged = sorted(
+        set(not_logged) | {c for c in METRIC_COLUMNS if c.startswith(("amax_", "amin_"))}
+      )
+    else:
+      notes.append("no per-layer diagnostics")
   elif records and not_logged:
     kinds = {
       "per-token composite": "_tok_",
@@ -311,6 +340,36 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
     notes.append(f"summary.json: {summary['status']}")
   out["note"] = "; ".join(notes)
   return {k: out[k] for k in METRIC_COLUMNS}, not_logged
+
+
+#: eval.json -> report column: (section, probe or metric, field); `abs` for a sign-free value.
+_EVAL_FIELDS = {
+  "eval_kl_bits": ("metrics", None, "kl_bits"),
+  "probe_key_ratio": ("probes", "key_orthogonality", "ratio_to_random"),
+  "probe_attn_on_target": ("probes", "qk_alignment", "attn_on_target"),
+  "probe_qk_slope": ("probes", "qk_alignment", "slope"),
+  "probe_pc1_entropy": ("probes", "pca_entropy", "corr_pc1_entropy"),
+}
+
+
+def eval_columns(run_dir: str | os.PathLike) -> dict[str, float]:
+  """The ``eval_*`` / ``probe_*`` columns from ``run_dir/eval.json`` (NaN where absent or a probe
+  was skipped)."""
+  try:
+    ev = json.loads((Path(run_dir) / "eval.json").read_text())
+  except (OSError, ValueError):
+    ev = {}
+  out = {}
+  for col, (section, probe, field) in _EVAL_FIELDS.items():
+    d = ev.get(section) if isinstance(ev, dict) else None
+    d = d.get(probe) if probe and isinstance(d, dict) else d
+    v = d.get(field) if isinstance(d, dict) else None
+    try:
+      v = math.nan if v is None else float(v)
+    except (TypeError, ValueError):
+      v = math.nan
+    out[col] = abs(v) if col == "probe_pc1_entropy" else v
+  return out
 
 
 # =========================================================================== a sweep
@@ -1202,10 +1261,11 @@ def write_report(
       f"Run {r['run']}: final_loss is {_fmt(r['final_loss'])} ({r['note']}); curves stop at "
       "the last finite point."
     )
+  no_hres = set(table.loc[table["note"].astype(str).str.contains("no H_res"), "run"])
   lacking = [
     n
     for n, cols in table.attrs.get("not_logged", {}).items()
-    if n in set(table.loc[table["steps"] > 0, "run"]) and cols
+    if n in set(table.loc[table["steps"] > 0, "run"]) and cols and n not in no_hres
   ]
   if lacking:
     names = sorted({LATER_COLUMNS[c][0] for n in lacking for c in table.attrs["not_logged"][n]})

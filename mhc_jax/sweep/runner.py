@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 from mhc_jax import logs
-from mhc_jax.sweep import grid
+from mhc_jax.sweep import grid, posteval
 from mhc_jax.sweep.manifest import Manifest, ManifestError, Worker, claim_state, lease_seconds
 from mhc_jax.train.config import ConfigError
 
@@ -316,8 +316,9 @@ def run_sweep(
       f"{counts['failed']} failed); nothing to do in {out_dir}"
     )
     index = out_dir / "report" / "index.html"
-    if _is_main() and not index.exists():
-      _finish(out_dir)
+    evals = sweep.options.get("eval")
+    if _is_main() and (not index.exists() or (evals and posteval.pending(out_dir, manifest))):
+      _finish(out_dir, evals)
     elif _is_main():
       _print_table(out_dir)
       print(f"report: {index}")
@@ -350,7 +351,7 @@ def run_sweep(
     if rc == EXIT_PREEMPTED:
       _say(f"sweep {sweep.name}: stopped; re-run the same command to continue")
       return EXIT_PREEMPTED
-    return _finish(out_dir)
+    return _finish(out_dir, sweep.options.get("eval"))
 
   mfst = Manifest(out_dir)
   me = Worker.current()
@@ -397,7 +398,7 @@ def run_sweep(
       return EXIT_PREEMPTED
     if _is_main():
       bar.update(mfst.read(), force=True)
-  return _finish(out_dir)
+  return _finish(out_dir, sweep.options.get("eval"))
 
 
 def _print_table(out_dir: Path) -> None:
@@ -410,11 +411,15 @@ def _print_table(out_dir: Path) -> None:
   print(report.finding(table))
 
 
-def _finish(out_dir: Path) -> int:
-  """Write the report, print the summary table and the page's path (process 0)."""
+def _finish(out_dir: Path, evals: int | None = None) -> int:
+  """Evaluate the finished runs (the sweep's ``eval: N``), write the report, print the summary
+  table and the page's path (process 0)."""
   if not _is_main():
     return 0
   from mhc_jax.sweep import report
+
+  if evals:
+    posteval.evaluate_runs(out_dir, read_manifest(out_dir) or {"runs": {}}, evals, _say)
 
   with Manifest(out_dir).report_lock():  # other sweep commands on this directory may finish now
     paths = report.write_report(out_dir)
