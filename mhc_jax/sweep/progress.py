@@ -7,8 +7,8 @@ ETA after it); elsewhere (logs, CI) one line each time a count changes, and at m
 The ETA: each unfinished run's remaining fraction (a running run's from the last step in its
 ``metrics.jsonl`` over ``train.steps``; a pending run's is 1), summed, times the typical time of
 one run (the median ``wall_s`` of the runs finished so far; before any has finished, the
-running runs' elapsed time over their fraction done), divided by the number of runs that can
-run at once.
+running runs' elapsed time over their fraction done), divided by the number of runs that run at
+once: ``parallel``, or more where populations train many runs in one process.
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class SweepProgress:
       for n, i in runs.items()
       if n in self.steps and i.get("status") == "done" and i.get("wall_s")
     ]
-    remaining, rates = 0.0, []
+    remaining, rates, running = 0.0, [], 0
     for n, info in runs.items():
       if n not in self.steps:
         continue
@@ -94,6 +94,7 @@ class SweepProgress:
         continue
       frac = 0.0
       if status == "running":
+        running += 1
         self.started.setdefault(n, now)
         step = last_step(self.dir / info.get("dir", f"runs/{n}") / "metrics.jsonl")
         if step is not None and self.steps[n]:
@@ -107,7 +108,7 @@ class SweepProgress:
     per_run = statistics.median(walls) if walls else (statistics.median(rates) if rates else None)
     if per_run is None:
       return None
-    return remaining * per_run / self.parallel
+    return remaining * per_run / max(self.parallel, running)
 
   def line(self, runs: dict) -> str:
     c = counts({n: i for n, i in runs.items() if n in self.steps})
