@@ -5,7 +5,8 @@
 
 Lowers and compiles one value_and_grad step of the Transformer (width 64, 4 heads, seq 64,
 batch 8) at each depth; prints seconds per depth and the ratio deepest / shallowest. Each
-measurement is the median of --repeats fresh compiles (the compilation cache is cleared).
+measurement is the median of --repeats fresh compiles (the compilation cache is cleared), the
+depths taken in turn within each repeat so that a load change on the machine hits both sides.
 """
 
 import argparse
@@ -20,7 +21,8 @@ from mhc_jax.model import Transformer
 from mhc_jax.train.config import ModelConfig
 
 
-def compile_seconds(cfg: ModelConfig, repeats: int) -> float:
+def compile_once(cfg: ModelConfig) -> float:
+  """Seconds to lower and compile one value_and_grad step from a cleared cache."""
   model = Transformer(cfg)
   tokens = jnp.zeros((8, 64), jnp.int32)
   params = jax.eval_shape(lambda: nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens)))
@@ -29,13 +31,10 @@ def compile_seconds(cfg: ModelConfig, repeats: int) -> float:
     logits, _ = model.apply(p, t)
     return jnp.mean(jax.nn.logsumexp(logits, -1))
 
-  times = []
-  for _ in range(repeats):
-    jax.clear_caches()
-    t0 = time.perf_counter()
-    jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  jax.clear_caches()
+  t0 = time.perf_counter()
+  jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile()
+  return time.perf_counter() - t0
 
 
 def main():
@@ -52,10 +51,13 @@ def main():
   ratios = {}
   for name in names:
     for scan in [True] if args.no_loop else [True, False]:
-      secs = {}
+      times = {d: [] for d in args.depths}
+      for _ in range(args.repeats):
+        for d in args.depths:
+          cfg = ModelConfig(vocab=256, depth=d, width=64, heads=4, mixer=name, scan=scan)
+          times[d].append(compile_once(cfg))
+      secs = {d: statistics.median(t) for d, t in times.items()}
       for d in args.depths:
-        cfg = ModelConfig(vocab=256, depth=d, width=64, heads=4, mixer=name, scan=scan)
-        secs[d] = compile_seconds(cfg, args.repeats)
         print(f"  {name:>14} scan={scan!s:5} depth={d:3d}: compile {secs[d]:6.2f} s", flush=True)
       lo, hi = min(args.depths), max(args.depths)
       ratios[(name, scan)] = secs[hi] / secs[lo]
