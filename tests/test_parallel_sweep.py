@@ -25,7 +25,7 @@ import yaml
 from test_sweep import DEBUG, REPO, TINY_STEPS, _shared_dir, _steps, tiny_sweep  # noqa: F401
 
 from mhc_jax import cli, logs
-from mhc_jax.sweep import executor as ex, grid
+from mhc_jax.sweep import executor as ex, grid, options as how
 from mhc_jax.train.config import ConfigError
 
 TIMING = ("tokens_per_s", "step_time_s")
@@ -131,11 +131,11 @@ def test_sweep_file_parallel_setting_is_read(tmp_path):
     )
   )
   assert sw.options == {"parallel": 3, "executor": {"kind": "submitit-local", "timeout_min": 30}}
-  assert ex.executor_options(sw.options["executor"], None) == (
+  assert how.executor_options(sw.options["executor"], None) == (
     "submitit-local",
     {"timeout_min": 30},
   )
-  assert ex.executor_options(sw.options["executor"], "process") == ("process", {})  # flag wins
+  assert how.executor_options(sw.options["executor"], "process") == ("process", {})  # flag wins
   assert grid.load_sweep(_tiny_file(tmp_path, "u", ["residual"])).options == {}
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mhc_jax import cli, logs
+from mhc_jax import cli, logs, rundir
 from mhc_jax.model.params import expected_params
 from mhc_jax.sweep import grid, runner
 from mhc_jax.train.config import ConfigError
@@ -223,17 +223,17 @@ def test_changed_sweep_file(tmp_path):
 def test_prepare_run_dir(tmp_path):
   cfg = grid.load_sweep(_sweep(tmp_path)).runs[0].cfg
   d = tmp_path / "run"
-  assert runner.prepare_run_dir(d, cfg) == "fresh"
+  assert rundir.prepare_run_dir(d, cfg) == "fresh"
   d.mkdir()
   (d / "config.yaml").write_text("x: 1\n")
   (d / "metrics.jsonl").write_text('{"step":0,"loss":1.0}\n')
-  assert runner.prepare_run_dir(d, cfg) == "fresh" and not d.exists()  # no checkpoint: wiped
+  assert rundir.prepare_run_dir(d, cfg) == "fresh" and not d.exists()  # no checkpoint: wiped
   (d / "checkpoints" / "2").mkdir(parents=True)
   (d / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()  # unfinished save: not a checkpoint
-  assert runner.prepare_run_dir(d, cfg) == "resume"
+  assert rundir.prepare_run_dir(d, cfg) == "resume"
   (d / "checkpoints" / str(cfg.train.steps)).mkdir()
   (d / "summary.json").write_text(json.dumps({"status": "done"}))
-  assert runner.prepare_run_dir(d, cfg) == "done"
+  assert rundir.prepare_run_dir(d, cfg) == "done"
 
 
 # =========================================================================== a real sweep

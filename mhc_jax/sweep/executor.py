@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from mhc_jax.sweep import manifest as mf
+from mhc_jax.sweep.options import EXECUTORS, import_submitit
 from mhc_jax.sweep.worker import EXIT_NOT_CLAIMED, EXIT_PREEMPTED
 from mhc_jax.train.config import ConfigError
 
@@ -60,100 +61,13 @@ __all__ = [
   "detect_devices",
   "make_slots",
   "check_runs",
-  "parse_parallel",
   "run_parallel",
   "SweepJob",
 ]
 
-EXECUTORS = ("process", "submitit-local", "slurm")
 EXIT_FAILED = 1
 _DIST_ENV = ("MHC_COORDINATOR", "MHC_NUM_PROCESSES", "MHC_PROCESS_ID")
 _TPU_BOUNDS = {1: "1,1,1", 2: "1,2,1", 4: "2,2,1", 8: "2,4,1"}
-_RESERVED_EXECUTOR_KEYS = ("kind", "folder")
-
-
-# ------------------------------------------------------------------------------------------
-# Input.
-
-
-def parse_parallel(value: Any, where: str = "--parallel") -> int:
-  """A positive integer, or ConfigError naming `where`."""
-  if isinstance(value, bool):
-    raise ConfigError(f"{where}: expected a positive integer, got {value!r}")
-  raw = value
-  if isinstance(value, str):
-    text = value.strip()
-    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
-      raise ConfigError(f"{where}: expected a positive integer, got {raw!r}")
-    value = int(text)
-  if not isinstance(value, int) or value < 1:
-    raise ConfigError(f"{where}: expected a positive integer, got {value!r}")
-  return value
-
-
-def executor_options(raw: Any, cli_kind: str | None) -> tuple[str, dict]:
-  """(kind, submitit parameters) from the sweep file's ``executor`` setting and --executor."""
-  if raw is None:
-    raw = {}
-  if isinstance(raw, str):
-    raw = {"kind": raw}
-  if not isinstance(raw, dict):
-    raise ConfigError(
-      f"executor: expected a mapping (kind: process|submitit-local|slurm, then "
-      f"submitit parameters) or a kind, got {raw!r}"
-    )
-  params = {k: v for k, v in raw.items() if k not in _RESERVED_EXECUTOR_KEYS}
-  kind = cli_kind or raw.get("kind") or "process"
-  where = "--executor" if cli_kind else "executor.kind"
-  if kind not in EXECUTORS:
-    raise ConfigError(f"{where}: unknown executor {kind!r} (known: {', '.join(EXECUTORS)})")
-  if "folder" in raw:
-    raise ConfigError("executor.folder: the submitit folder is SWEEP_DIR/submitit; do not set it")
-  if kind == "process" and params and cli_kind:
-    params = {}  # --executor process: the file's submitit parameters are for another kind
-  if kind == "process" and params:
-    raise ConfigError(
-      f"executor.{next(iter(params))}: the process executor takes no parameters "
-      f"(they are for submitit-local and slurm)"
-    )
-  if kind != "process":
-    _check_submitit_params(kind, params)
-  return kind, params
-
-
-def _import_submitit():
-  """submitit, without its import-time logging set-up in this (the sweep's) process: that binds
-  handlers to the sys.stdout/stderr of the moment, which need not outlive it (a job's own
-  process still configures submitit's logging as usual)."""
-  if "submitit" in sys.modules:
-    return sys.modules["submitit"]
-  old = os.environ.get("SUBMITIT_LOG_LEVEL")
-  os.environ["SUBMITIT_LOG_LEVEL"] = "NOCONFIG"
-  try:
-    import submitit
-  finally:
-    if old is None:
-      os.environ.pop("SUBMITIT_LOG_LEVEL", None)
-    else:
-      os.environ["SUBMITIT_LOG_LEVEL"] = old
-  return submitit
-
-
-def _check_submitit_params(kind: str, params: dict) -> None:
-  try:
-    submitit = _import_submitit()
-  except ImportError:
-    raise ConfigError(f"--executor {kind}: needs submitit (pip install -e '.[cluster]')") from None
-  cls = submitit.LocalExecutor if kind == "submitit-local" else submitit.SlurmExecutor
-  generic = set(submitit.AutoExecutor._valid_parameters())
-  valid = set(cls._valid_parameters()) | generic | {"timeout_min"}
-  if kind == "slurm":
-    valid |= {f"slurm_{p}" for p in cls._valid_parameters()}
-  for k in params:
-    if k not in valid:
-      raise ConfigError(
-        f"executor.{k}: not a submitit parameter for {kind} (known: {', '.join(sorted(valid))})"
-      )
 
 
 # ------------------------------------------------------------------------------------------
@@ -455,7 +369,7 @@ class SweepJob:
 
 class SubmititLauncher:
   def __init__(self, sweep_dir: Path, kind: str, params: dict):
-    submitit = _import_submitit()
+    submitit = import_submitit()
     self.dir, self.kind = sweep_dir, kind
     folder = sweep_dir / "submitit" / "%j"
     params = dict(params)
@@ -527,7 +441,7 @@ def _install_stop_handlers(stop: dict):
 def run_parallel(
   sweep,
   out_dir: Path,
-  names: list[str],
+  units: list[list[str]],
   k: int | None,
   kind: str = "process",
   params: dict | None = None,
@@ -535,14 +449,14 @@ def run_parallel(
   progress: bool = True,
   poll_s: float = 0.5,
 ) -> int:
-  """Train the runs `names` of `sweep` (already in the manifest) with up to `k` workers at
-  once; returns 0, EXIT_FAILED when some run of the sweep failed, or 143 when stopped."""
-  from mhc_jax.sweep import grid
+  """Train `units` of `sweep` (lists of run names already in the manifest, one per worker job:
+  a run or a population, ``grid.population_groups``) with up to `k` workers at once; returns 0,
+  EXIT_FAILED when some run of the sweep failed, or 143 when stopped."""
   from mhc_jax.sweep.progress import SweepProgress
 
   out_dir = Path(out_dir)
   manifest = mf.Manifest(out_dir)
-  units = [[r.name for r in g] for g in grid.population_groups(sweep, names)]
+  names = [n for u in units for n in u]
   if k is None:
     k = len(units)
   k = max(1, min(k, len(units)))

@@ -268,11 +268,11 @@ def load_sweep(
       raise ConfigError(f"eval: expected a positive number of validation batches, got {n!r}")
     options["eval"] = n
   if set(options) & {"parallel", "executor"}:  # how to run, not what: applied by the runner
-    from mhc_jax.sweep import executor
+    from mhc_jax.sweep import options as how
 
     if "parallel" in options:
-      options["parallel"] = executor.parse_parallel(options["parallel"], "parallel")
-    executor.executor_options(options.get("executor"), None)
+      options["parallel"] = how.parse_parallel(options["parallel"], "parallel")
+    how.executor_options(options.get("executor"), None)
   return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs, options)
 
 

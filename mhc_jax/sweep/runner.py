@@ -69,7 +69,6 @@ __all__ = [
   "plan",
   "read_manifest",
   "write_manifest",
-  "prepare_run_dir",
   "print_dry_run",
 ]
 
@@ -225,28 +224,6 @@ def plan(sweep: grid.Sweep, out_dir: str | os.PathLike) -> tuple[dict, list[str]
   return manifest, todo, notes
 
 
-def prepare_run_dir(run_dir: Path, cfg) -> str:
-  """What to do with a run directory: ``"fresh"`` (none, or one without a checkpoint, which is
-  then deleted so nothing of the earlier attempt remains), ``"resume"`` (it has a checkpoint),
-  or ``"done"`` (summary.json says done and the last checkpoint is the final step)."""
-  from mhc_jax.rundir import checkpoint_steps as _ckpt_steps
-
-  if not run_dir.exists():
-    return "fresh"
-  steps = _ckpt_steps(run_dir)
-  if not steps:
-    if _is_main():
-      shutil.rmtree(run_dir)
-    return "fresh"
-  try:
-    summary = json.loads((run_dir / "summary.json").read_text())
-  except (OSError, ValueError):
-    summary = {}
-  if summary.get("status") == "done" and max(steps) == cfg.train.steps:
-    return "done"
-  return "resume"
-
-
 # ------------------------------------------------------------------------------------------
 # Running.
 
@@ -342,7 +319,7 @@ def run_sweep(
     rc = ex.run_parallel(
       sweep,
       out_dir,
-      todo,
+      [[r.name for r in g] for g in grid.population_groups(sweep, todo)],
       parallel,
       executor or "process",
       executor_params or {},
@@ -464,14 +441,16 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir: Path) -> None:
 def main(args) -> int:
   """``mhc-jax sweep`` (args: sweep_file, out, set, dry_run, quiet, parallel, executor, dist
   flags)."""
-  from mhc_jax.sweep import executor as ex
+  from mhc_jax.sweep import executor as ex, options as how
 
   raw_parallel = getattr(args, "parallel", None)
-  parallel = ex.parse_parallel(raw_parallel) if raw_parallel is not None else None
+  parallel = how.parse_parallel(raw_parallel) if raw_parallel is not None else None
   sweep = grid.load_sweep(args.sweep_file, getattr(args, "set", None) or [])
   if parallel is None:
     parallel = sweep.options.get("parallel")
-  kind, params = ex.executor_options(sweep.options.get("executor"), getattr(args, "executor", None))
+  kind, params = how.executor_options(
+    sweep.options.get("executor"), getattr(args, "executor", None)
+  )
   parallel_mode = parallel is not None or kind != "process"
   out_dir = Path(args.out) if args.out else Path("sweeps_out") / sweep.name
   if out_dir.exists() and not out_dir.is_dir():

@@ -120,8 +120,7 @@ def train_claimed(
   Returns ``{"results": {name: status}, "preempted": bool}``.
   """
   from mhc_jax.errors import RunLocked
-  from mhc_jax.rundir import checkpoint_steps
-  from mhc_jax.sweep.runner import prepare_run_dir
+  from mhc_jax.rundir import checkpoint_steps, prepare_run_dir
   from mhc_jax.train.loop import Preempted, RunHalted, train
 
   say = say or (lambda n, msg: print(f"{n}: {msg}", flush=True))
