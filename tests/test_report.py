@@ -26,6 +26,23 @@ from mhc_jax.sweep.report import (
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _small_sweep(root, mixers, **kw):
+  """A one-depth, 30-step synthetic sweep of `mixers`, nothing planted."""
+  return make_sweep(
+    root,
+    mixers=mixers,
+    depths=(2,),
+    lrs=None,
+    steps=30,
+    spike=None,
+    diverge=None,
+    pending=False,
+    **kw,
+  )
+
+
 SPIKED = "mhc_L4_C32_lr0.01_s0"  # planted loss spike at step 80
 DIVERGED = "hc_L4_C32_lr0.03_s0"  # NaN loss from step 75, halted
 
@@ -421,16 +438,7 @@ def test_plots_draw_bands_over_seeds(seeded, tmp_path, monkeypatch):
     assert n_coll == 3 and n_lines == 3
   assert all(n_coll >= 3 for n_coll, _ in amax_axes)  # a band per mixer (and per composite kind)
   # without seeds: single lines, no bands
-  root = make_sweep(
-    tmp_path / "one_seed",
-    mixers=("residual", "hc"),
-    depths=(2,),
-    lrs=None,
-    steps=30,
-    spike=None,
-    diverge=None,
-    pending=False,
-  )
+  root = _small_sweep(tmp_path / "one_seed", ("residual", "hc"))
   metrics, runs, events = _plot_inputs(root)
   assert plots.loss_curves(metrics, runs, events, tmp_path / "l1.png")
   assert figs[-1] == [(0, 2)]
@@ -470,17 +478,7 @@ def test_per_token_and_averaged_composite_side_by_side(seeded):
 
 
 def test_old_logs_show_the_new_metrics_as_missing(tmp_path):
-  root = make_sweep(
-    tmp_path,
-    mixers=("hc", "mhc"),
-    depths=(2,),
-    lrs=None,
-    steps=30,
-    spike=None,
-    diverge=None,
-    pending=False,
-    gain_metrics="old",
-  )
+  root = _small_sweep(tmp_path, ("hc", "mhc"), gain_metrics="old")
   paths = write_report(root)
   df = summary_table(root)
   for c in LATER_COLUMNS:
@@ -619,16 +617,7 @@ def test_finding_on_edge_cases(seeded):
 def test_mixer_without_h_res_says_so_not_old_logs(tmp_path):
   # diagnostics were logged (gain_fwd), but the mixer has no H_res: its composite columns are n/a
   # with that reason, and the page does not call its logs "written before these metrics existed"
-  root = make_sweep(
-    tmp_path,
-    mixers=("mhc",),
-    depths=(2,),
-    lrs=None,
-    steps=30,
-    spike=None,
-    diverge=None,
-    pending=False,
-  )
+  root = _small_sweep(tmp_path, ("mhc",))
   (name,) = json.loads((root / "manifest.json").read_text())["runs"]
   run = root / "runs" / name
   recs = [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines()]

@@ -50,6 +50,8 @@ __all__ = [
   "summarize_run",
   "eval_columns",
   "summary_table",
+  "shown_columns",
+  "OPTIONAL_COLUMNS",
   "lr_sensitivity_table",
   "LATER_COLUMNS",
   "GROUP_METRICS",
@@ -350,6 +352,18 @@ _EVAL_FIELDS = {
   "probe_qk_slope": ("probes", "qk_alignment", "slope"),
   "probe_pc1_entropy": ("probes", "pca_entropy", "corr_pc1_entropy"),
 }
+
+
+#: Shown in summary.md and on the page only where some run has them (summary.csv keeps them all).
+OPTIONAL_COLUMNS = ("attn_logit_max", "out_logit_max", "logz_absmax", *_EVAL_FIELDS)
+
+
+def shown_columns(table: pd.DataFrame) -> pd.DataFrame:
+  """`table` without the :data:`OPTIONAL_COLUMNS` that no run has (attrs kept)."""
+  drop = [c for c in OPTIONAL_COLUMNS if c in table.columns and table[c].isna().all()]
+  out = table.drop(columns=drop)
+  out.attrs = dict(table.attrs)
+  return out
 
 
 def eval_columns(run_dir: str | os.PathLike) -> dict[str, float]:
@@ -1326,7 +1340,7 @@ def write_report(
     "",
     _composite_note(),
     "",
-    md_table(table),
+    md_table(shown_columns(table)),
   ]
   if n_seeds_max > 1 or len(paired):
     md += ["## Groups over seeds", "", group_text, "", md_table(_groups_display(groups))]
@@ -1385,7 +1399,7 @@ def write_report(
     "run's logs do not have that metric; grey rows have not finished. Definitions of every column "
     'are at the bottom of the page; <a href="summary.csv">summary.csv</a> has full precision.</p>',
     f"<p>{e(_composite_note())}</p>",
-    f'<div class="scroll">{_html_table(table)}</div>',
+    f'<div class="scroll">{_html_table(shown_columns(table))}</div>',
   ]
   if n_seeds_max > 1 or len(paired):
     parts += [
