@@ -50,6 +50,8 @@ __all__ = [
 _KNOWN = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc_lite": "#2ca02c"}
 _EXTRA = ["#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f"]
 _STYLES = ["-", "--", ":", "-."]
+#: Line colours for the other axes when a plot has a single mixer (tab10).
+_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 _ROLE_COLS = ("run", "mixer", "lr", "seed")
 
 CAPTIONS = {
@@ -768,6 +770,8 @@ def lr_sensitivity_curves(
       m = str(row["mixer"]) if "mixer" in row else "run"
       key = tuple(str(row[c]) for c in styles)
       ls = _STYLES[style_keys.index(key) % len(_STYLES)] if key in style_keys else "-"
+      if len(colors) == 1 and key in style_keys:  # one mixer: tell the other axes apart by colour
+        colors = {**colors, m: _PALETTE[style_keys.index(key) % len(_PALETTE)]}
       ok = np.isfinite(mean.to_numpy())
       label = m + "".join(f", {c}={row[c]}" for c in styles)
       sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
@@ -814,7 +818,8 @@ def lr_sensitivity_curves(
     if ax.get_subplotspec().is_first_col():
       ax.set_ylabel("final loss (nats / token)")
     if ax.get_legend_handles_labels()[0]:
-      ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=8, frameon=False, ncol=1)
+      below = -0.32 if len(grid) > 5 else -0.2  # clear of rotated tick labels and the x label
+      ax.legend(loc="upper center", bbox_to_anchor=(0.5, below), fontsize=8, frameon=False, ncol=1)
   extra = [
     Line2D(
       [],
