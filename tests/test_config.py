@@ -30,8 +30,10 @@ from mhc_jax.train.config import (
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Run configs; sweep files (base + axes) are loaded by tests/test_sweep.py.
-CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
+# Run configs; sweep files (base + axes: configs/sweeps, configs/studies) are loaded by
+# tests/test_sweep.py.
+SWEEP_DIRS = {"sweeps", "studies"}
+CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if not SWEEP_DIRS & set(p.parts))
 
 
 def _write(tmp_path, text, name="c.yaml"):

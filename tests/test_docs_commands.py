@@ -50,7 +50,8 @@ def readme_commands() -> list[str]:
   for block in re.findall(r"```(?:bash)?\n(.*?)```", text, re.S):
     found += [ln.strip() for ln in block.splitlines() if ln.strip().startswith("mhc-jax ")]
   found += re.findall(r"`(mhc-jax [^`]+)`", text)
-  return [re.sub(r"\s+#.*$", "", c) for c in found]
+  found = [re.sub(r"\s+#.*$", "", c) for c in found]
+  return [c for c in found if len(c.split()) > 2]  # `mhc-jax eval` alone names a command
 
 
 def expand(command: str) -> list[str]:

@@ -405,7 +405,10 @@ def test_rerunning_a_finished_sweep_does_nothing(tiny_sweep):
   assert tiny_sweep["manifest_unchanged"]
 
 
-SWEEP_FILES = sorted((Path(__file__).resolve().parents[1] / "configs" / "sweeps").glob("*.yaml"))
+_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+SWEEP_FILES = sorted(
+  [*(_CONFIGS / "sweeps").glob("*.yaml"), *(_CONFIGS / "studies").glob("*.yaml")]
+)
 
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
