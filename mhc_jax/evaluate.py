@@ -164,7 +164,7 @@ def _forward_fns(model, cfg):
   from mhc_jax.train.step import token_loss
 
   def fwd(params, batch):
-    logits, _ = model.apply(params, batch["inputs"])
+    logits, _ = model.apply(params, batch["inputs"], stats=False)
     loss, _ = token_loss(logits, batch, cfg.data.target)
     return logits, loss, jnp.sum(batch["mask"])
 

@@ -211,3 +211,22 @@ def test_original_mixers_unchanged_by_the_contract_move():
       np.testing.assert_allclose(
         np.asarray(v), gold[f"{key}/{k}"], rtol=1e-6, atol=1e-6, err_msg=f"{key}/{k}"
       )
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_stats_off_computes_no_layer_stats_and_same_logits(scan):
+  """``stats=False`` (the train step without diagnostics) returns the same logits and leaves
+  the per-layer mixer stats out, so XLA does not compute and stack them under the scan."""
+  cfg = cfg_for("mhc", scan=scan)
+  params = init(cfg)
+  model = Transformer(cfg)
+  logits_on, aux_on = jax.jit(model.apply)(params, TOKENS)
+  logits_off, aux_off = jax.jit(functools.partial(model.apply, stats=False))(params, TOKENS)
+  np.testing.assert_array_equal(logits_on, logits_off)
+  assert "stats" in aux_on and "stats" not in aux_off and "attn_logit_max" not in aux_off
+  # nothing of the mixers' stats survives in the compiled step: no Sinkhorn-error reductions
+  # over the [2L] stack, and the scanned body's outputs hold only the state
+  jaxpr = jax.make_jaxpr(functools.partial(model.apply, stats=False))(params, TOKENS)
+  n_out = [len(e.outvars) for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+  if scan:
+    assert n_out and max(n_out) == 1, n_out  # the carried state only

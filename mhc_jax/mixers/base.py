@@ -93,19 +93,100 @@ def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> d
   }
 
 
+def tokdot(x, w):
+  """``x @ w`` over the last axis of ``x`` with its leading (token) axes flattened to one:
+  ``x [..., K]``, ``w [K]`` or ``[K, ...]``. Same numbers as ``x @ w``; XLA's CPU backward of
+  a dot whose left side keeps several leading axes ran ~2x slower (benchmarks/step_bench.py)."""
+  lead, k = x.shape[:-1], x.shape[-1]
+  y = x.reshape(-1, k) @ w.reshape(k, -1)
+  return y.reshape(lead + w.shape[1:])
+
+
+UNROLL_STREAMS = 8  # up to this many streams, stream sums are written out (see _stream_sum)
+
+
+def _stream_sum(w, x):
+  """``Σ_j w[..., j] x[..., j, :]``: ``w [..., n]`` (may lack the token axes), ``x [..., n, C]``.
+
+  For small ``n`` the sum is written out term by term, which XLA fuses into one elementwise
+  pass; as an einsum it becomes a batched dot with one tiny matrix per token (or a dot whose
+  contraction is ``n``), which the CPU runs several times slower (benchmarks/step_bench.py).
+  """
+  n = x.shape[-2]
+  if n > UNROLL_STREAMS:
+    return jnp.einsum("...j,...jc->...c", w, x)
+  out = w[..., 0, None] * x[..., 0, :]
+  for j in range(1, n):
+    out = out + w[..., j, None] * x[..., j, :]
+  return out
+
+
+def _unbroadcast(d, shape):
+  """Sum the cotangent ``d`` down to ``shape`` (the leading axes a coefficient broadcast over)."""
+  extra = d.ndim - len(shape)
+  d = d.sum(axis=tuple(range(extra))) if extra else d
+  keep = tuple(i for i, s in enumerate(shape) if s == 1 and d.shape[i] != 1)
+  return d.sum(axis=keep, keepdims=True) if keep else d
+
+
+# The stream mixing and reading are written with their gradients by hand: autodiff of the
+# written-out sums gave XLA one reduction per (i, j) pair, and of the einsums tiny batched dots;
+# both ran 2-3x slower on the CPU than these (benchmarks/step_bench.py). Same numbers to float32
+# rounding (tests/test_mixers.py checks the gradients against autodiff of the einsums).
+@jax.custom_vjp
+def _mix32(x, f, h, hp):
+  return _stream_sum(h, x[..., None, :, :]) + hp[..., :, None] * f[..., None, :]
+
+
+def _mix32_fwd(x, f, h, hp):
+  return _mix32(x, f, h, hp), (x, f, h, hp)
+
+
+def _mix32_bwd(res, g):
+  x, f, h, hp = res
+  dx = _stream_sum(jnp.swapaxes(h, -1, -2), g[..., None, :, :])  # Hᵀ g
+  dh = jnp.einsum("...ic,...jc->...ij", g, x)
+  dhp = jnp.einsum("...ic,...c->...i", g, f)
+  df = _stream_sum(hp, g)
+  return (
+    _unbroadcast(dx, x.shape),
+    _unbroadcast(df, f.shape),
+    _unbroadcast(dh, h.shape),
+    _unbroadcast(dhp, hp.shape),
+  )
+
+
+_mix32.defvjp(_mix32_fwd, _mix32_bwd)
+
+
+@jax.custom_vjp
+def _read32(x, hp):
+  return _stream_sum(hp, x)
+
+
+def _read32_fwd(x, hp):
+  return _read32(x, hp), (x, hp)
+
+
+def _read32_bwd(res, g):
+  x, hp = res
+  dx = hp[..., :, None] * g[..., None, :]
+  dhp = jnp.einsum("...ic,...c->...i", x, g)
+  return _unbroadcast(dx, x.shape), _unbroadcast(dhp, hp.shape)
+
+
+_read32.defvjp(_read32_fwd, _read32_bwd)
+
+
 def mix(x_BTnC, f_BTC, h_res, h_post):
   """``x' = H_res x + H_postᵀ F``; ``h_res [..., n, n]`` and ``h_post [..., n]`` may be per token."""
-  dt = x_BTnC.dtype
-  x = x_BTnC.astype(jnp.float32)
-  res = jnp.einsum("...ij,...jc->...ic", h_res.astype(jnp.float32), x)
-  out = res + h_post.astype(jnp.float32)[..., :, None] * f_BTC.astype(jnp.float32)[..., None, :]
-  return out.astype(dt)
+  f32 = lambda a: a.astype(jnp.float32)
+  return _mix32(f32(x_BTnC), f32(f_BTC), f32(h_res), f32(h_post)).astype(x_BTnC.dtype)
 
 
 def read(x_BTnC, h_pre):
   """The sublayer input ``H_pre x``: a weighted sum of the streams, ``h_pre [..., n]``."""
-  x = x_BTnC.astype(jnp.float32)
-  return jnp.einsum("...i,...ic->...c", h_pre.astype(jnp.float32), x).astype(x_BTnC.dtype)
+  return _read32(x_BTnC.astype(jnp.float32), h_pre.astype(jnp.float32)).astype(x_BTnC.dtype)
 
 
 class Mixer(nn.Module):

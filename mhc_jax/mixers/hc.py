@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm
+from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm, tokdot
 
 
 class HyperConnection(Mixer):
@@ -45,9 +45,9 @@ class HyperConnection(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       s_a = param(self, "s_alpha", const, (), ())
       s_b = param(self, "s_beta", const, (), ())
-      a_m = s_a * jnp.tanh(xn @ w_m) + a_m  # [B,T,n]
-      a_r = s_a * jnp.tanh(xn @ w_r) + a_r  # [B,T,n,n]
-      b = s_b * jnp.tanh(xn @ w_b) + b  # [B,T,n]
+      a_m = s_a * jnp.tanh(tokdot(xn, w_m)) + a_m  # [B,T,n]
+      a_r = s_a * jnp.tanh(tokdot(xn, w_r)) + a_r  # [B,T,n,n]
+      b = s_b * jnp.tanh(tokdot(xn, w_b)) + b  # [B,T,n]
     h_res = jnp.swapaxes(a_r, -1, -2)
     f_BTC = sublayer(read(x_BTnC, a_m))
     out = mix(x_BTnC, f_BTC, h_res, b)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from mhc_jax import sinkhorn as sk
-from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm
+from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm, tokdot
 
 DIAG_INIT = 0.95  # target diagonal of H_res at initialisation for h_res_init="identity"
 READ_INIT = 0.95  # sigma(b_pre) on the read stream for pre_init="onehot" (1 - READ_INIT elsewhere)
@@ -117,7 +117,7 @@ class ManifoldHyperConnection(Mixer):
       a_pre, a_post, a_res = (
         param(self, f"alpha_{k}", const, (), ()) for k in ("pre", "post", "res")
       )
-      proj = v @ phi  # [B,T,2n+r]
+      proj = tokdot(v, phi)  # [B,T,2n+r]
       z_pre = a_pre * proj[..., :n] + b_pre
       z_post = a_post * proj[..., n : 2 * n] + b_post
       z_res = a_res * proj[..., 2 * n :] + b_res

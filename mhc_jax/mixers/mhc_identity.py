@@ -35,7 +35,7 @@ from typing import Literal
 import flax.linen as nn
 import jax.numpy as jnp
 
-from mhc_jax.mixers.base import Mixer, make_stats, param, read, rms_norm
+from mhc_jax.mixers.base import Mixer, make_stats, param, read, rms_norm, tokdot
 from mhc_jax.mixers.mhc import onehot_logits
 
 
@@ -81,7 +81,7 @@ class MHCIdentity(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       a_pre = param(self, "alpha_pre", const, (), ())
       a_post = param(self, "alpha_post", const, (), ())
-      proj = v @ phi  # [B,T,2n]
+      proj = tokdot(v, phi)  # [B,T,2n]
       z_pre = a_pre * proj[..., :n] + b_pre
       z_post = a_post * proj[..., n:] + b_post
     h_pre = nn.sigmoid(z_pre)

@@ -53,6 +53,7 @@ class Block(nn.Module):
   """One Transformer block: two mixer calls. Scanned: ``(state, (index, probe)) -> (state, ys)``."""
 
   cfg: object
+  stats: bool = True  # False: return no per-layer stats, so XLA drops their arithmetic
 
   @nn.compact
   def __call__(self, state, xs):
@@ -84,6 +85,8 @@ class Block(nn.Module):
       state = _add(state, jax.tree.map(lambda p: p[1], probe))
     state, s_mlp = mlp_mix(state, mlp_sub, 2 * i + 1)
     self.sow("intermediates", "stream", attn_mix.stream(state))
+    if not self.stats:
+      return state, None
     stats = jax.tree.map(lambda a, b: jnp.stack([a, b]), s_attn, s_mlp)
     return state, (stats, logit_max[0])
 
@@ -99,7 +102,10 @@ class Transformer(nn.Module):
   cfg: object  # mhc_jax.train.config.ModelConfig (vocab resolved)
 
   @nn.compact
-  def __call__(self, tokens_BT, probes=None, out_probe=None):
+  def __call__(self, tokens_BT, probes=None, out_probe=None, stats=True):
+    """``stats=False`` (the train step without diagnostics): ``aux`` holds only the output-logit
+    statistics; the per-layer mixer stats and attention-logit maxima are never computed (under
+    ``nn.scan`` XLA would otherwise compute and stack them every step)."""
     cfg = self.cfg
     dt, L, c = _dtype(cfg.dtype), cfg.depth, cfg.width
     embed = self.param(
@@ -123,22 +129,22 @@ class Transformer(nn.Module):
         unroll=min(getattr(cfg, "scan_unroll", 1), L),
         metadata_params={nn.PARTITION_NAME: "layers"},
       )
-      state, (stats, logit_max) = scanned(cfg, name="blocks")(state, (idx, probes))
+      state, ys = scanned(cfg, stats, name="blocks")(state, (idx, probes))
     else:
       ys = []
       for l in range(L):
         probe = None if probes is None else jax.tree.map(lambda p: p[l], probes)
-        state, y = block(cfg, name=f"block_{l}")(state, (l, probe))
+        state, y = block(cfg, stats, name=f"block_{l}")(state, (l, probe))
         ys.append(y)
-      stats, logit_max = jax.tree.map(lambda *a: jnp.stack(a), *ys)
-    stats = jax.tree.map(lambda a: a.reshape((2 * L,) + a.shape[2:]), stats)
+      ys = None if not stats else jax.tree.map(lambda *a: jnp.stack(a), *ys)
     if out_probe is not None:
       state = _add(state, out_probe)
     collapse_cls, collapse_kw = mixer.collapse_module()
     x = collapse_cls(**collapse_kw, name="collapse")(state)
     h_BTC = RMSNorm(dt, name="final_norm")(x)
+    h_NC = h_BTC.reshape(-1, c)  # tokens flattened (faster CPU backward: layers.MLP)
     if cfg.tied_embeddings:
-      logits = jnp.einsum("btc,vc->btv", h_BTC, embed.astype(dt)) / math.sqrt(c)
+      logits = (h_NC @ embed.astype(dt).T) / math.sqrt(c)
     else:
       logits = nn.Dense(
         cfg.vocab,
@@ -146,12 +152,15 @@ class Transformer(nn.Module):
         dtype=dt,
         name="head",
         kernel_init=nn.with_logical_partitioning(kernel_init(cfg.init_scale), ("embed", "vocab")),
-      )(h_BTC)
-    logits = logits.astype(jnp.float32)
+      )(h_NC)
+    logits = logits.reshape(h_BTC.shape[:-1] + (cfg.vocab,)).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    aux = {
-      "stats": stats,
-      "attn_logit_max": logit_max,
+    aux = {}
+    if stats:
+      layer_stats, logit_max = ys
+      aux["stats"] = jax.tree.map(lambda a: a.reshape((2 * L,) + a.shape[2:]), layer_stats)
+      aux["attn_logit_max"] = logit_max
+    aux |= {
       "out_logit_max": jnp.max(logits),
       "logsumexp_mean": jnp.mean(lse),
       "logsumexp_max": jnp.max(lse),

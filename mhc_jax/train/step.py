@@ -43,7 +43,10 @@ def token_loss(logits, batch, target: str):
 def make_loss(model, cfg):
   def loss_fn(params, probes, batch):
     layer_probes, out_probe = probes if probes is not None else (None, None)
-    logits, aux = model.apply(params, batch["inputs"], layer_probes, out_probe)
+    # without probes (diagnostics off) the per-layer stats are not computed at all
+    logits, aux = model.apply(
+      params, batch["inputs"], layer_probes, out_probe, stats=probes is not None
+    )
     loss, z = token_loss(logits, batch, cfg.data.target)
     if "plant" in batch:  # fault injection: the loss (as logged) is NaN at a chosen step
       loss = loss * jnp.mean(batch["plant"])
@@ -125,7 +128,7 @@ def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
 
 def make_eval_step(model, cfg):
   def evaluate(params, batch):
-    logits, _ = model.apply(params, batch["inputs"])
+    logits, _ = model.apply(params, batch["inputs"], stats=False)
     loss, _ = token_loss(logits, batch, cfg.data.target)
     out = {"eval/loss": loss}
     if "posterior" in batch:
