@@ -6,7 +6,8 @@
 
 ``apply(params, tokens_BT, probes=None)`` returns ``(logits_BTV float32, aux)``; ``aux`` has the
 mixer stats stacked over the 2L layers (``aux["stats"][k]`` is ``[2L, ...]``), the max
-pre-softmax attention logit per block ``[L]``, and output-logit statistics. ``probes``
+pre-softmax attention logit per block ``[L]``, and output-logit statistics
+(``stats=False``: the output-logit statistics only, the per-layer ones are not computed). ``probes``
 (``[L, 2, B, T, n, C]``, zeros) are added to the stream state before each mixer call, so the
 gradient with respect to them is dLoss/d(stream state) at every mixer layer; ``out_probe``
 (``[B, T, n, C]``) does the same at the collapse input (after the last mixer layer).
