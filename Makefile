@@ -32,6 +32,7 @@ bench: $(STAMP)  # measurements, not tests: each prints medians after warm-up
 	$(PY) benchmarks/compile_time.py
 	$(PY) benchmarks/sinkhorn_bench.py
 	$(PY) benchmarks/population_bench.py
+	$(PY) benchmarks/layer_bench.py
 	$(PY) benchmarks/step_bench.py
 
 clean:

@@ -96,7 +96,7 @@ def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> d
 def tokdot(x, w):
   """``x @ w`` over the last axis of ``x`` with its leading (token) axes flattened to one:
   ``x [..., K]``, ``w [K]`` or ``[K, ...]``. Same numbers as ``x @ w``; XLA's CPU backward of
-  a dot whose left side keeps several leading axes ran ~2x slower (benchmarks/step_bench.py)."""
+  a dot whose left side keeps several leading axes ran ~2.4x slower (benchmarks/layer_bench.py)."""
   lead, k = x.shape[:-1], x.shape[-1]
   y = x.reshape(-1, k) @ w.reshape(k, -1)
   return y.reshape(lead + w.shape[1:])
@@ -110,7 +110,7 @@ def _stream_sum(w, x):
 
   For small ``n`` the sum is written out term by term, which XLA fuses into one elementwise
   pass; as an einsum it becomes a batched dot with one tiny matrix per token (or a dot whose
-  contraction is ``n``), which the CPU runs several times slower (benchmarks/step_bench.py).
+  contraction is ``n``), which the CPU runs about 2x slower.
   """
   n = x.shape[-2]
   if n > UNROLL_STREAMS:
@@ -131,7 +131,7 @@ def _unbroadcast(d, shape):
 
 # The stream mixing and reading are written with their gradients by hand: autodiff of the
 # written-out sums gave XLA one reduction per (i, j) pair, and of the einsums tiny batched dots;
-# both ran 2-3x slower on the CPU than these (benchmarks/step_bench.py). Same numbers to float32
+# both ran 2-3x slower on the CPU than these (benchmarks/layer_bench.py). Same numbers to float32
 # rounding (tests/test_mixers.py checks the gradients against autodiff of the einsums).
 @jax.custom_vjp
 def _mix32(x, f, h, hp):

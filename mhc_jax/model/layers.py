@@ -125,7 +125,7 @@ class MLP(nn.Module):
   def __call__(self, x_BTC):
     c = x_BTC.shape[-1]
     # Tokens flattened to one axis: XLA's CPU backward of a dense layer over [B, T, C] (weight
-    # gradient contracting two axes) ran 2.4x slower than over [B*T, C] (benchmarks/step_bench.py).
+    # gradient contracting two axes) ran 2.4x slower than over [B*T, C] (benchmarks/layer_bench.py).
     x_NC = x_BTC.reshape(-1, c)
     h = nn.Dense(
       self.hidden,

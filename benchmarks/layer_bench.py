@@ -1,0 +1,67 @@
+"""The formulations behind the step's CPU speed-ups (README "Train-step speed"), side by side in
+one process: forward + backward median time of
+
+- a GELU MLP (C -> 4C -> C) applied over ``[B, T, C]`` against the same over ``[B*T, C]``;
+- the stream mix ``x' = H_res x + H_postᵀ F`` with per-token coefficients: autodiff of the
+  einsum form, autodiff of the written-out sum, and ``mixers.base.mix`` (hand-written VJP).
+
+    python benchmarks/layer_bench.py                 # B=8, T=256, C=256, n=4 (step_bench's shape)
+    python benchmarks/layer_bench.py --tokens 4096 --width 512
+
+Each takes the sum of squares of its output as the loss, gradients with respect to every input.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+from timing import median_time
+
+from mhc_jax.mixers.base import _stream_sum, mix
+
+
+def mlp(x, w1, w2):
+  return jax.nn.gelu(x @ w1) @ w2
+
+
+def mix_einsum(x, f, h, p):
+  return jnp.einsum("...ij,...jc->...ic", h, x) + p[..., :, None] * f[..., None, :]
+
+
+def mix_written_out(x, f, h, p):
+  return _stream_sum(h, x[..., None, :, :]) + p[..., :, None] * f[..., None, :]
+
+
+def grad_time(fn, args, steps: int) -> float:
+  g = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=tuple(range(len(args)))))
+  return median_time(lambda: g(*args), steps, 3)[1]
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--tokens", type=int, default=256, help="sequence length T")
+  ap.add_argument("--width", type=int, default=256)
+  ap.add_argument("--n", type=int, default=4, help="streams")
+  ap.add_argument("--steps", type=int, default=9)
+  a = ap.parse_args()
+  b, t, c, n = a.batch, a.tokens, a.width, a.n
+  k = jax.random.split(jax.random.PRNGKey(0), 7)
+  x = jax.random.normal(k[0], (b, t, c))
+  w1 = jax.random.normal(k[1], (c, 4 * c)) / c**0.5
+  w2 = jax.random.normal(k[2], (4 * c, c)) / (4 * c) ** 0.5
+  flat = lambda x, w1, w2: mlp(x.reshape(-1, c), w1, w2).reshape(x.shape)
+  t3, t2 = grad_time(mlp, (x, w1, w2), a.steps), grad_time(flat, (x, w1, w2), a.steps)
+  print(f"MLP fwd+bwd over [B, T, C]: {t3 * 1e3:.1f} ms, over [B*T, C]: {t2 * 1e3:.1f} ms")
+  print(f"  ratio {t3 / t2:.2f}")
+  xs = jax.random.normal(k[3], (b, t, n, c))
+  args = (xs, jax.random.normal(k[4], (b, t, c)))
+  args += (jax.random.normal(k[5], (b, t, n, n)), jax.random.normal(k[6], (b, t, n)))
+  for name, fn in [("einsum", mix_einsum), ("written out", mix_written_out), ("mix (VJP)", mix)]:
+    print(f"stream mix fwd+bwd, {name:>11}: {grad_time(fn, args, a.steps) * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+  main()
