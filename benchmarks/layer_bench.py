@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from timing import median_time
 
-from mhc_jax.mixers.base import _stream_sum, mix
+from mhc_jax.mixers.base import mix, stream_sum
 
 
 def mlp(x, w1, w2):
@@ -31,7 +31,7 @@ def mix_einsum(x, f, h, p):
 
 
 def mix_written_out(x, f, h, p):
-  return _stream_sum(h, x[..., None, :, :]) + p[..., :, None] * f[..., None, :]
+  return stream_sum(h, x[..., None, :, :]) + p[..., :, None] * f[..., None, :]
 
 
 def grad_time(fn, args, steps: int) -> float:

@@ -102,10 +102,10 @@ def tokdot(x, w):
   return y.reshape(lead + w.shape[1:])
 
 
-UNROLL_STREAMS = 8  # up to this many streams, stream sums are written out (see _stream_sum)
+UNROLL_STREAMS = 8  # up to this many streams, stream sums are written out (see stream_sum)
 
 
-def _stream_sum(w, x):
+def stream_sum(w, x):
   """``Σ_j w[..., j] x[..., j, :]``: ``w [..., n]`` (may lack the token axes), ``x [..., n, C]``.
 
   For small ``n`` the sum is written out term by term, which XLA fuses into one elementwise
@@ -135,7 +135,7 @@ def _unbroadcast(d, shape):
 # rounding (tests/test_mixers.py checks the gradients against autodiff of the einsums).
 @jax.custom_vjp
 def _mix32(x, f, h, hp):
-  return _stream_sum(h, x[..., None, :, :]) + hp[..., :, None] * f[..., None, :]
+  return stream_sum(h, x[..., None, :, :]) + hp[..., :, None] * f[..., None, :]
 
 
 def _mix32_fwd(x, f, h, hp):
@@ -144,10 +144,10 @@ def _mix32_fwd(x, f, h, hp):
 
 def _mix32_bwd(res, g):
   x, f, h, hp = res
-  dx = _stream_sum(jnp.swapaxes(h, -1, -2), g[..., None, :, :])  # Hᵀ g
+  dx = stream_sum(jnp.swapaxes(h, -1, -2), g[..., None, :, :])  # Hᵀ g
   dh = jnp.einsum("...ic,...jc->...ij", g, x)
   dhp = jnp.einsum("...ic,...c->...i", g, f)
-  df = _stream_sum(hp, g)
+  df = stream_sum(hp, g)
   return (
     _unbroadcast(dx, x.shape),
     _unbroadcast(df, f.shape),
@@ -161,7 +161,7 @@ _mix32.defvjp(_mix32_fwd, _mix32_bwd)
 
 @jax.custom_vjp
 def _read32(x, hp):
-  return _stream_sum(hp, x)
+  return stream_sum(hp, x)
 
 
 def _read32_fwd(x, hp):
