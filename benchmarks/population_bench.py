@@ -38,6 +38,7 @@ def main(argv=None) -> None:
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--set", nargs="*", default=[], help="further config overrides (KEY=VALUE)")
   args = ap.parse_args(argv)
 
   lrs = list(np.geomspace(1e-3, 3e-2, args.members))
@@ -53,6 +54,7 @@ def main(argv=None) -> None:
       f"data.batch_size={args.batch}",
       "train.diag_every=0",
       "optim.warmup_steps=0",
+      *args.set,
     ],
   )
   setups = [prepare(with_overrides(base, {"optim.lr": float(lr)})) for lr in lrs]
