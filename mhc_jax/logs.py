@@ -23,10 +23,12 @@ import os
 import stat
 import time
 from collections.abc import Mapping
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
-import pandas as pd
+
+if TYPE_CHECKING:  # pandas is imported where a reader needs it: a training process never does
+  import pandas as pd
 
 from mhc_jax import storage
 
@@ -255,6 +257,8 @@ def _list_columns(df: pd.DataFrame) -> list[str]:
 
 def _to_long(df: pd.DataFrame) -> pd.DataFrame:
   """Per-layer (list-valued) columns of a wide frame -> rows (step, metric, layer, value)."""
+  import pandas as pd
+
   steps, metrics, layers, values = [], [], [], []
   for col in _list_columns(df):
     for step, v in zip(df["step"].tolist(), df[col].tolist()):
@@ -288,6 +292,8 @@ def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
   float ``value`` column. Either way ``df.attrs`` holds ``config`` (flattened
   ``config.yaml``, ``{}`` if missing), ``summary`` (``summary.json``) and ``run_dir``.
   """
+  import pandas as pd
+
   run_dir = storage.path(run_dir)
   path = run_dir / "metrics.jsonl"
   rows = _records_by_step(read_jsonl(path)) if path.exists() else []
@@ -306,6 +312,8 @@ def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
 def load_events(run_dir: str | os.PathLike) -> pd.DataFrame:
   """Events of one run (``events.jsonl``): columns step, kind, value, threshold (+extras),
   in file order; an empty frame with those columns when there are none."""
+  import pandas as pd
+
   path = storage.path(run_dir) / "events.jsonl"
   records = read_jsonl(path) if path.exists() else []
   df = pd.DataFrame(records)
@@ -337,6 +345,8 @@ def _axis_names(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
 def _put_axes(
   df: pd.DataFrame, name: str, overrides: Mapping[str, Any], axis_cols: Mapping[str, str]
 ) -> pd.DataFrame:
+  import pandas as pd
+
   front: dict[str, Any] = {"run": name}
   for key, col in axis_cols.items():
     v = overrides.get(key)
@@ -354,6 +364,8 @@ def load_sweep(sweep_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame
   maps override keys to their columns and ``df.attrs["runs"]`` holds each loaded run's
   ``config``/``summary``/``status``.
   """
+  import pandas as pd
+
   sweep_dir = storage.path(sweep_dir)
   runs = _manifest_runs(sweep_dir)
   frames: dict[str, pd.DataFrame] = {}
@@ -383,6 +395,8 @@ def load_summaries(sweep_dir: str | os.PathLike) -> pd.DataFrame:
   """One row per run in the manifest: ``run``, ``status``, the override columns, then the
   flattened ``summary.json`` fields (missing summary -> NaN). A summary key that clashes
   with those front columns is prefixed ``summary.``."""
+  import pandas as pd
+
   sweep_dir = storage.path(sweep_dir)
   runs = _manifest_runs(sweep_dir)
   axes = _axis_names(runs)
