@@ -222,7 +222,7 @@ def _env(root: Path, **extra) -> dict:
   return dict(
     os.environ,
     JAX_COMPILATION_CACHE_DIR=str(root.parent / "tiny_sweep" / "jax_cache"),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # as the sequential reference (test_sweep.tiny_sweep)
     **extra,
   )

@@ -273,7 +273,7 @@ def _build_tiny_sweep(root: Path) -> dict:
   env = dict(
     os.environ,
     JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
     # tiny runs are mostly compilation; the parallel sweeps that compare their logs with these
     # run with the same setting (test_parallel_sweep._env)
     JAX_DISABLE_MOST_OPTIMIZATIONS="1",
