@@ -4,6 +4,8 @@ check that every run logged the same numbers both ways.
 
     .venv/bin/python benchmarks/parallel_sweep_bench.py            # 4 runs, --parallel 2
     .venv/bin/python benchmarks/parallel_sweep_bench.py --steps 100 --repeat 2
+    .venv/bin/python benchmarks/parallel_sweep_bench.py --base configs/debug.yaml --steps 3000 \
+        --set train.log_every=10 train.diag_every=0 mesh.data=1     # a tinier model
     MHC_SWEEP_PIN_CPUS=1 .venv/bin/python benchmarks/parallel_sweep_bench.py   # pin workers to cores
 
 The sweep: configs/quickstart.yaml (depth 2, width 32, bijection V=8) with
@@ -77,6 +79,8 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=2000)
   ap.add_argument("--repeat", type=int, default=1, help="measure both sweeps this many times")
   ap.add_argument("--keep", help="keep the sweep directories here (default: a temp dir)")
+  ap.add_argument("--base", default="configs/quickstart.yaml", help="the runs' base config")
+  ap.add_argument("--set", nargs="*", default=[], help="further sweep settings KEY=VALUE")
   args = ap.parse_args()
   if args.parallel < 1 or args.steps < 1 or args.repeat < 1:
     sys.exit("error: --parallel, --steps and --repeat must be positive")
@@ -87,8 +91,12 @@ def main() -> None:
     yaml.safe_dump(
       {
         "name": "parallel_bench",
-        "base": str(REPO / "configs" / "quickstart.yaml"),
-        "set": {"model.mixer_options": {}, "train.steps": args.steps},
+        "base": str(REPO / args.base),
+        "set": {
+          "model.mixer_options": {},
+          "train.steps": args.steps,
+          **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.set)},
+        },
         "axes": {"model.mixer": MIXERS},
       },
       sort_keys=False,
