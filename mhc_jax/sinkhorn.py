@@ -46,8 +46,8 @@ _RIDGE_EPS = 10.0  # ridge on the implicit system, in units of the dtype's machi
 def _tokens_last(z: jax.Array) -> jax.Array:
   """``[..., n, n]`` -> ``[n, n, N]``: the N matrices along the last (contiguous) axis, so every
   step below is a reduction over a short leading axis, vectorised over matrices. With the
-  matrices in front, each ``n x n`` logsumexp was its own tiny reduction (3x slower on the CPU,
-  ``benchmarks/sinkhorn_bench.py``)."""
+  matrices in front, each ``n x n`` logsumexp was its own tiny reduction (with autodiff's
+  backward: 16.1 against 10.2 ms per forward + backward, README "Sinkhorn gradient modes")."""
   n = z.shape[-1]
   return jnp.moveaxis(z.reshape((-1, n, n)), 0, -1)
 
@@ -77,13 +77,15 @@ def _back(pt, lead):
   return jnp.moveaxis(pt, -1, 0).reshape(lead + pt.shape[:2])
 
 
-def _potentials(zt, iters: int):
-  def step(_, fg):
-    g = _col(zt, fg[0])
-    return _row(zt, g), g
+def _step(zt, f):
+  """One column-then-row step from row potentials ``f``: ``(f after it, its g)``."""
+  g = _col(zt, f)
+  return _row(zt, g), g
 
+
+def _potentials(zt, iters: int):
   zeros = jnp.zeros(zt.shape[1:], zt.dtype)
-  return jax.lax.fori_loop(0, iters, step, (zeros, zeros))
+  return jax.lax.fori_loop(0, iters, lambda _, fg: _step(zt, fg[0]), (zeros, zeros))
 
 
 def _project(z: jax.Array, iters: int) -> jax.Array:
@@ -105,9 +107,9 @@ def _project_unroll(z: jax.Array, iters: int) -> jax.Array:
 def _unroll_fwd(z, iters):
   zt = _tokens_last(z)
 
-  def step(f, _):
-    g = _col(zt, f)
-    return _row(zt, g), (f, g)
+  def step(f, _):  # as _potentials, keeping each step's f (before it) and g
+    f_new, g = _step(zt, f)
+    return f_new, (f, g)
 
   f, (fs, gs) = jax.lax.scan(step, jnp.zeros(zt.shape[1:], zt.dtype), None, length=iters)
   pt = _plan(zt, f, gs[-1])

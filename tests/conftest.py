@@ -31,10 +31,8 @@ def pytest_unconfigure(config):
 
 @pytest.fixture
 def fast_compile():
-  """XLA without most optimisations: ~30% less compile time, which is most of a tiny run."""
-  import jax
+  """XLA without most optimisations for the test (mhc_jax.testing.fast_compile)."""
+  from mhc_jax.testing import fast_compile as context
 
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
-  yield
-  jax.config.update("jax_disable_most_optimizations", old)
+  with context():
+    yield

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mhc_jax import cli
+from mhc_jax import cli, testing
 from mhc_jax.train import config as C
 from mhc_jax.train.loop import prepare, train
 
@@ -31,15 +31,10 @@ def _train(run_dir, overrides=()):
 
 @pytest.fixture(scope="module")
 def bijection_run(tmp_path_factory):
-  import jax
 
   run = tmp_path_factory.mktemp("evalrun") / "run"
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)  # as conftest's fast_compile
-  try:
+  with testing.fast_compile():
     _train(run, ["train.steps=5", "train.ckpt_every=1", "train.keep_ckpts=5"])
-  finally:
-    jax.config.update("jax_disable_most_optimizations", old)
   return run
 
 

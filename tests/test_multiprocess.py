@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from mhc_jax import logs
+from mhc_jax import logs, testing
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import prepare, train
 
@@ -116,16 +116,12 @@ def test_two_processes_train_like_one_and_resume_after_sigterm(tmp_path):
 
     proc = launch(tmp_path, "--out", str(run), "--resume")
     # meanwhile, the reference: one process, the same 4 devices as one (1, 2, 2) mesh
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
+    with testing.fast_compile():
       train(
         prepare(load_config(DEBUG, OVERRIDES), devices=jax.devices()[:4]),
         tmp_path / "one",
         progress=False,
       )
-    finally:
-      jax.config.update("jax_disable_most_optimizations", old)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
   finally:

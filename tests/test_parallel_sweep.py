@@ -22,7 +22,15 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_sweep import DEBUG, REPO, TINY_STEPS, _shared_dir, _steps, tiny_sweep  # noqa: F401
+from test_sweep import (  # noqa: F401
+  DEBUG,
+  REPO,
+  TINY_STEPS,
+  _shared_dir,
+  _steps,
+  sweep_env,
+  tiny_sweep,
+)
 
 from mhc_jax import cli, logs
 from mhc_jax.sweep import executor as ex, grid, options as how
@@ -219,13 +227,7 @@ def _mid_run(out: Path, name: str):
 
 
 def _env(root: Path, **extra) -> dict:
-  return dict(
-    os.environ,
-    JAX_COMPILATION_CACHE_DIR=str(root.parent / "tiny_sweep" / "jax_cache"),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    JAX_DISABLE_MOST_OPTIMIZATIONS="1",  # as the sequential reference (test_sweep.tiny_sweep)
-    **extra,
-  )
+  return sweep_env(root.parent / "tiny_sweep" / "jax_cache", **extra)  # as the reference's
 
 
 def _build_parallel(root: Path) -> dict:

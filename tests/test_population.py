@@ -22,7 +22,7 @@ import pytest
 import yaml
 from test_sweep import _shared_dir
 
-from mhc_jax import cli, logs
+from mhc_jax import cli, logs, testing
 from mhc_jax.sweep import grid, population
 from mhc_jax.train.config import ConfigError
 
@@ -86,14 +86,8 @@ def sweeps(tmp_path_factory):
   with open(root / "lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (root / "record.json").exists():
-      import jax
-
-      old = jax.config.read("jax_disable_most_optimizations")
-      jax.config.update("jax_disable_most_optimizations", True)  # tiny runs: mostly compiling
-      try:
+      with testing.fast_compile():  # tiny runs: mostly compiling
         rec = _build(root)
-      finally:
-        jax.config.update("jax_disable_most_optimizations", old)
       (root / "record.json").write_text(json.dumps(rec))
     rec = json.loads((root / "record.json").read_text())
   assert {k: rec[k] for k in ("pop", "sep", "bad", "pop_resume")} == dict.fromkeys(

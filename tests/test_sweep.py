@@ -251,6 +251,19 @@ def _steps(path: Path) -> list[int]:
   return [r["step"] for r in logs.read_jsonl(path)]
 
 
+def sweep_env(cache_dir: Path, **extra) -> dict:
+  """The environment of the tiny sweeps' processes (this one and test_parallel_sweep's, whose
+  logs are compared with it): their compilation cache, and XLA with most optimisations off
+  (tiny runs are mostly compilation)."""
+  return dict(
+    os.environ,
+    JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+    JAX_DISABLE_MOST_OPTIMIZATIONS="1",
+    **extra,
+  )
+
+
 def _build_tiny_sweep(root: Path) -> dict:
   f = _write(
     root / "tiny.yaml",
@@ -270,14 +283,7 @@ def _build_tiny_sweep(root: Path) -> dict:
     },
   )
   out = root / "sweep"
-  env = dict(
-    os.environ,
-    JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-    # tiny runs are mostly compilation; the parallel sweeps that compare their logs with these
-    # run with the same setting (test_parallel_sweep._env)
-    JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-  )
+  env = sweep_env(root / "jax_cache")
   cmd = [sys.executable, "-m", "mhc_jax.cli", "sweep", str(f), "--out", str(out), "--quiet"]
   rec: dict = {"out": str(out)}
   victim = out / "runs" / "mixer=hc"

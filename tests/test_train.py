@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mhc_jax import logs
+from mhc_jax import logs, testing
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import prepare, train
 from mhc_jax.train.optim import make_schedule
@@ -88,8 +88,6 @@ def skip_run(tmp_path_factory):
   """configs/debug.yaml for 4 steps with a NaN loss planted at step K (policy skip)."""
   import jax
 
-  old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
   run = tmp_path_factory.mktemp("skip_run")
   cfg = tiny(
     "train.steps=4",
@@ -99,10 +97,8 @@ def skip_run(tmp_path_factory):
     "train.keep_ckpts=3",
     "mesh.data=1",
   )
-  try:
+  with testing.fast_compile():
     summary = train(prepare(cfg, devices=jax.devices()[:1]), run, progress=False)
-  finally:
-    jax.config.update("jax_disable_most_optimizations", old)
   return cfg, run, summary
 
 

@@ -1,0 +1,108 @@
+"""Where one train step's time goes: ``jax.profiler`` over a few steps, summed per compiled
+op (fusion, while loop, dot), with the op's place in the model from the HLO metadata.
+
+    python benchmarks/step_profile.py --mixer mhc                  # depth 4, width 64, 16 x 64
+    python benchmarks/step_profile.py --mixer mhc --sum 'project_res/(closed_call/)?while'  # Sinkhorn
+    python benchmarks/step_profile.py --mixer hc --set model.depth=8 model.width=256 \\
+        model.heads=4 data.seq_len=256 data.batch_size=8 model.vocab=256   # step_bench's shape
+
+The model is configs/quickstart.yaml at population_bench's shape (``--set`` overrides), trained
+by the project's own jitted step (``train.loop.SingleProgram``, diagnostics off) on one device.
+Prints the median step time of ``--steps`` timed steps after 3 warm-up ones, then the ``--top``
+ops by time per step: a ``while`` op's time includes the ops inside it (nested loops, such as
+the Sinkhorn iterations inside the scan over blocks, are listed again on their own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import re
+import statistics
+import tempfile
+import time
+
+import jax
+
+from mhc_jax.train.config import load_config
+from mhc_jax.train.loop import SingleProgram, prepare
+
+SHAPE = [
+  "model.depth=4",
+  "model.width=64",
+  "model.heads=2",
+  "data.seq_len=64",
+  "data.batch_size=16",
+  "optim.warmup_steps=0",
+  "train.diag_every=0",
+]
+
+
+def op_places(hlo: str) -> dict[str, str]:
+  """``{op name: op_name metadata}`` of every instruction in the compiled HLO text."""
+  out = {}
+  for m in re.finditer(r"%?([\w.\-]+) = .*?metadata=\{op_name=\"([^\"]*)\"", hlo):
+    out[m.group(1)] = m.group(2)
+  return out
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--mixer", default="mhc")
+  ap.add_argument("--set", nargs="*", default=[], help="further config overrides (KEY=VALUE)")
+  ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--top", type=int, default=20)
+  ap.add_argument(
+    "--sum",
+    default=None,
+    help="also print the total of the ops whose place ends with this regex "
+    "(e.g. 'project_res/(closed_call/)?while': mhc's Sinkhorn loops)",
+  )
+  args = ap.parse_args()
+  cfg = load_config(
+    "configs/quickstart.yaml",
+    [f"model.mixer={args.mixer}", "model.mixer_options={}", *SHAPE, *args.set],
+  )
+  prog = SingleProgram(prepare(cfg))
+  box = [prog.init()]
+  batch = prog.batch(0)
+
+  def step():
+    box[0], m = prog._step(box[0], batch, False)
+    jax.block_until_ready(m["loss"])
+
+  times = []
+  for i in range(3 + args.steps):
+    t0 = time.perf_counter()
+    step()
+    if i >= 3:
+      times.append(time.perf_counter() - t0)
+  print(f"{args.mixer}: median step {statistics.median(times) * 1e3:.1f} ms")
+  places = op_places(prog._step.lower(box[0], batch, False).compile().as_text())
+  traced = 5
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(traced):
+        step()
+    (path,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+    events = json.load(gzip.open(path))["traceEvents"]
+  total, calls = collections.Counter(), collections.Counter()
+  for e in events:  # only the compiled ops (host-side frames and executor spans are left out)
+    if e.get("ph") == "X" and e.get("name") in places:
+      total[e["name"]] += e["dur"]
+      calls[e["name"]] += 1
+  print(f"{'ms/step':>8} {'calls':>6}  op  (place in the model)")
+  for name, us in total.most_common(args.top):
+    where = places[name].removeprefix("jit(step)/")
+    print(f"{us / traced / 1e3:8.2f} {calls[name] // traced:6d}  {name}  ({where[-90:]})")
+  if args.sum:
+    hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
+    ms = sum(total[n] for n in hit) / traced / 1e3
+    print(f"ops whose place ends with {args.sum!r}: {len(hit)}, {ms:.1f} ms per step")
+
+
+if __name__ == "__main__":
+  main()
