@@ -2,6 +2,8 @@
 one process: forward + backward median time of
 
 - a GELU MLP (C -> 4C -> C) applied over ``[B, T, C]`` against the same over ``[B*T, C]``;
+- causal attention scores and values (softmax between) with heads after time ``[B, T, H, D]``
+  against heads before time ``[B, H, T, D]`` (the model's layout: batch axes lead);
 - the stream mix ``x' = H_res x + H_postᵀ F`` with per-token coefficients: autodiff of the
   einsum form, autodiff of the written-out sum, and ``mixers.base.mix`` (hand-written VJP).
 
@@ -34,6 +36,19 @@ def mix_written_out(x, f, h, p):
   return stream_sum(h, x[..., None, :, :]) + p[..., :, None] * f[..., None, :]
 
 
+def attn_bthd(q, k, v):
+  s = jnp.einsum("bthd,bshd->bhts", q, k) / q.shape[-1] ** 0.5
+  s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -1e30)
+  return jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(s, -1), v)
+
+
+def attn_bhtd(q, k, v):
+  q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
+  s = jnp.einsum("bhtd,bhsd->bhts", q, k) / q.shape[-1] ** 0.5
+  s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -1e30)
+  return jnp.swapaxes(jnp.einsum("bhts,bhsd->bhtd", jax.nn.softmax(s, -1), v), 1, 2)
+
+
 def grad_time(fn, args, steps: int) -> float:
   g = jax.jit(jax.grad(lambda *a: jnp.sum(fn(*a) ** 2), argnums=tuple(range(len(args)))))
   return median_time(lambda: g(*args), steps, 3)[1]
@@ -44,6 +59,7 @@ def main() -> None:
   ap.add_argument("--batch", type=int, default=8)
   ap.add_argument("--tokens", type=int, default=256, help="sequence length T")
   ap.add_argument("--width", type=int, default=256)
+  ap.add_argument("--heads", type=int, default=4)
   ap.add_argument("--n", type=int, default=4, help="streams")
   ap.add_argument("--steps", type=int, default=9)
   a = ap.parse_args()
@@ -56,6 +72,10 @@ def main() -> None:
   t3, t2 = grad_time(mlp, (x, w1, w2), a.steps), grad_time(flat, (x, w1, w2), a.steps)
   print(f"MLP fwd+bwd over [B, T, C]: {t3 * 1e3:.1f} ms, over [B*T, C]: {t2 * 1e3:.1f} ms")
   print(f"  ratio {t3 / t2:.2f}")
+  qkv = tuple(jax.random.normal(k[i], (b, t, a.heads, c // a.heads)) for i in (1, 2, 3))
+  ta, tb = grad_time(attn_bthd, qkv, a.steps), grad_time(attn_bhtd, qkv, a.steps)
+  print(f"attention fwd+bwd, [B, T, H, D]: {ta * 1e3:.1f} ms, [B, H, T, D]: {tb * 1e3:.1f} ms")
+  print(f"  ratio {ta / tb:.2f}")
   xs = jax.random.normal(k[3], (b, t, n, c))
   args = (xs, jax.random.normal(k[4], (b, t, c)))
   args += (jax.random.normal(k[5], (b, t, n, n)), jax.random.normal(k[6], (b, t, n)))
