@@ -93,7 +93,7 @@ class Attention(nn.Module):
     self.sow("intermediates", "k", k)
     # Heads before time ([B, H, T, D]) for the two score products: batched matmuls whose batch
     # axes lead, which XLA's CPU dots ran 1.38x faster (fwd + bwd) than the same einsums over
-    # [B, T, H, D] (benchmarks/layer_bench.py); same numbers.
+    # [B, T, H, D] (benchmarks/layer_bench.py); the same forward, gradients equal to rounding.
     q_BHTD, k_BHSD, v_BHSD = (jnp.swapaxes(a, -3, -2) for a in (q, k, v))
     logits = jnp.einsum("...htd,...hsd->...hts", q_BHTD, k_BHSD).astype(jnp.float32) / math.sqrt(d)
     t = x_BTC.shape[-2]
