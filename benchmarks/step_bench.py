@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from timing import median_time
 
+from mhc_jax.errors import ConfigError
 from mhc_jax.model import Transformer
 from mhc_jax.train.config import load_config
 from mhc_jax.train.optim import make_optimizer
@@ -134,6 +135,9 @@ def main(argv=None) -> int:
   ap.add_argument("--steps", type=int, default=5)
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  ap.add_argument(
+    "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides after the shape's"
+  )
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
   bad = sorted(set(variants) - set(VARIANTS))
@@ -150,7 +154,13 @@ def main(argv=None) -> int:
     "data.task=bijection",
     "optim.warmup_steps=0",
     "mesh.data=1",
+    *args.set,
   ]
+  try:  # a bad --set is one clear message before anything runs
+    load_config(None, base)
+  except ConfigError as e:
+    print(f"error: --set: {e}", file=sys.stderr)
+    return 2
   rate = matmul_rate()
   print(f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
   print(f"dense matmul (2048x1024 @ 1024x4096, f32): {rate:.1f} GFLOP/s")
