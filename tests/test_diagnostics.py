@@ -261,8 +261,9 @@ def test_growth_exponent_grad_by_hand():
 
   L2, n, c = 4, 2, 3
   scales = np.array([8.0, 4.0, 2.0, 1.0], np.float32)  # RMS of dLoss/d(stream entering layer l)
-  g_layers = np.ones((2, 2, 1, 1, n, c), np.float32) * scales.reshape(2, 2, 1, 1, 1, 1)
-  g_out = np.full((1, 1, n, c), 0.5, np.float32)
+  # what the squared-norm taps hand over: Σ g² per layer over the n x c state, and at the output
+  sq_layers = (scales**2 * n * c).reshape(2, 2)
+  sq_out = np.float32(0.5**2 * n * c)
   stats = {
     "h_res": np.broadcast_to(np.eye(n, dtype=np.float32), (L2, n, n)),
     "rms_in": np.ones(L2, np.float32),
@@ -276,6 +277,6 @@ def test_growth_exponent_grad_by_hand():
     "logsumexp_mean": 0.0,
     "logsumexp_max": 0.0,
   }
-  out = diag_metrics(aux, (g_layers, g_out), {"params": {}}, depth=2)
+  out = diag_metrics(aux, (sq_layers, sq_out), {"params": {}}, depth=2, size=n * c)
   assert float(out["growth_exponent_grad"]) == pytest.approx(math.log(2.0), rel=1e-5)
   assert float(out["growth_exponent"]) == pytest.approx(2.0 / L2, rel=1e-5)

@@ -45,9 +45,31 @@ def streams(cfg) -> int:
   return int(getattr(make_mixer(cfg), "n", 1))
 
 
+@jax.custom_vjp
+def sq_norm_tap(x, p):
+  """``x`` unchanged; the "gradient" of the scalar ``p`` is ``Σ g²`` over the cotangent ``g``
+  of ``x``: the squared norm of dLoss/dx, without the model keeping dLoss/dx itself."""
+  del p
+  return x
+
+
+def _tap_fwd(x, p):
+  return x, None
+
+
+def _tap_bwd(_, g):
+  return g, jnp.sum(jnp.square(g.astype(jnp.float32)))
+
+
+sq_norm_tap.defvjp(_tap_fwd, _tap_bwd)
+
+
 def _add(state, probe):
-  """Add a zero probe (same pytree as the state) so its gradient is dLoss/d(state)."""
-  return jax.tree.map(lambda s, p: s + p.astype(s.dtype), state, probe)
+  """Add a zero probe (same pytree as the state) so its gradient is dLoss/d(state); a scalar
+  probe leaf instead gets ``Σ (dLoss/d(state))²`` as its gradient (``sq_norm_tap``)."""
+  return jax.tree.map(
+    lambda s, p: sq_norm_tap(s, p) if p.ndim == 0 else s + p.astype(s.dtype), state, probe
+  )
 
 
 class Block(nn.Module):
@@ -175,13 +197,16 @@ def state_shapes(cfg, batch: int, length: int):
   return jax.eval_shape(make_mixer(cfg).expand, x)
 
 
-def zero_probes(cfg, batch: int, length: int):
+def zero_probes(cfg, batch: int, length: int, squares: bool = False):
   """``(layer_probes, out_probe)``: float32 zeros shaped like the state, with ``[L, 2]`` in front
   for the layer probes. Their gradients are dLoss/d(state) before each mixer layer and at the
-  collapse input."""
+  collapse input. ``squares``: one scalar per state leaf instead (``[L, 2]`` and ``[]``), whose
+  gradients are the squared norms ``Σ (dLoss/d(state))²`` (``sq_norm_tap``): what per-layer
+  gradient RMS needs, without a ``[L, 2, *state]`` buffer in the step."""
   st = state_shapes(cfg, batch, length)
-  layer = jax.tree.map(lambda s: jnp.zeros((cfg.depth, 2) + s.shape, jnp.float32), st)
-  out = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.float32), st)
+  shape = (lambda s: ()) if squares else (lambda s: s.shape)
+  layer = jax.tree.map(lambda s: jnp.zeros((cfg.depth, 2) + shape(s), jnp.float32), st)
+  out = jax.tree.map(lambda s: jnp.zeros(shape(s), jnp.float32), st)
   return layer, out
 
 

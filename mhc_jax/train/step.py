@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from mhc_jax import diagnostics as dg, posterior
-from mhc_jax.model import zero_probes
+from mhc_jax.model import state_shapes, zero_probes
 from mhc_jax.train.state import State
 
 
@@ -64,7 +64,7 @@ def make_train_step(model, tx, schedule, cfg):
     b, t = batch["inputs"].shape
     probes = None
     if diag:
-      probes = zero_probes(cfg.model, b, t)
+      probes = zero_probes(cfg.model, b, t, squares=True)
     (total, (loss, z, aux)), (grads, g_probe) = jax.value_and_grad(
       loss_fn, argnums=(0, 1), has_aux=True
     )(state.params, probes, batch)
@@ -94,21 +94,25 @@ def make_train_step(model, tx, schedule, cfg):
       "finite": finite,
     }
     if diag:
-      metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth)
+      size = sum(a.size for a in jax.tree.leaves(state_shapes(cfg.model, b, t)))
+      metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth, size)
     return new, metrics
 
   return step
 
 
-def diag_metrics(aux, g_probe, grads, depth: int) -> dict:
-  """Per-layer metrics from the model's stats and the probe gradients (all on device)."""
+def diag_metrics(aux, sq_probe, grads, depth: int, size: int) -> dict:
+  """Per-layer metrics from the model's stats and the probe gradients (all on device).
+
+  ``sq_probe``: the gradients of ``zero_probes(squares=True)``, ``Σ (dLoss/d(state))²`` per
+  state leaf (``[L, 2]`` per leaf for the layers, scalars at the collapse input); ``size``: the
+  state's element count (all leaves), so ``sqrt(Σ / size)`` is the gradient RMS."""
   L2 = 2 * depth
-  g_layers, g_out = g_probe  # pytrees shaped like the mixer state ([L, 2, ...] in front)
-  flat = [g.reshape((L2, -1)).astype(jnp.float32) for g in jax.tree.leaves(g_layers)]
-  grad_rms = jnp.sqrt(
-    sum(jnp.sum(jnp.square(g), axis=1) for g in flat) / sum(g.shape[1] for g in flat)
-  )  # [2L]
-  grad_out = dg.tree_rms(g_out)
+  # The probes are squared-norm taps (zero_probes(squares=True)): one [L, 2] gradient per state
+  # leaf, Σ (dLoss/d(state))² over that leaf, and one scalar per leaf at the collapse input.
+  sq_layers, sq_out = sq_probe
+  grad_rms = jnp.sqrt(sum(g.reshape(L2) for g in jax.tree.leaves(sq_layers)) / size)  # [2L]
+  grad_out = jnp.sqrt(sum(jax.tree.leaves(sq_out)) / size)
   out = dg.layer_metrics(aux["stats"], grad_rms=grad_rms, grad_rms_out=grad_out)
   out["grad_rms"] = grad_rms
   out["attn_logit_max"] = aux["attn_logit_max"]
