@@ -45,9 +45,12 @@ class HyperConnection(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       s_a = param(self, "s_alpha", const, (), ())
       s_b = param(self, "s_beta", const, (), ())
-      a_m = s_a * jnp.tanh(tokdot(xn, w_m)) + a_m  # [B,T,n]
-      a_r = s_a * jnp.tanh(tokdot(xn, w_r)) + a_r  # [B,T,n,n]
-      b = s_b * jnp.tanh(tokdot(xn, w_b)) + b  # [B,T,n]
+      # one pass over the normed state for all three projections (one dot, not three)
+      w = jnp.concatenate([w_m[:, None], w_r, w_b[:, None]], axis=1)  # [C, n+2]
+      z = jnp.tanh(tokdot(xn, w))  # [B,T,n,n+2]
+      a_m = s_a * z[..., 0] + a_m  # [B,T,n]
+      a_r = s_a * z[..., 1 : n + 1] + a_r  # [B,T,n,n]
+      b = s_b * z[..., n + 1] + b  # [B,T,n]
     h_res = jnp.swapaxes(a_r, -1, -2)
     f_BTC = sublayer(read(x_BTnC, a_m))
     out = mix(x_BTnC, f_BTC, h_res, b)
