@@ -4,6 +4,7 @@ learning rates at once, against P separate jitted steps (what P separate runs ex
     python benchmarks/population_bench.py                      # P=4, mhc, depth 4, width 64
     python benchmarks/population_bench.py --members 8 --width 128 --seq-len 128
     python benchmarks/population_bench.py --set model.remat=none     # any config override
+    python benchmarks/population_bench.py --set train.population_mode=unroll   # no vmap
 
 Both sides run the same train step (train.step.make_train_step, per-layer diagnostics off)
 on the same batch, on whatever devices JAX sees (mesh from the config: data-parallel over all).

@@ -1,5 +1,7 @@
 """Populations: runs that differ only in ``optim.lr``, ``train.seed`` and/or ``model.init_scale``
-trained together as one jitted program, ``jax.vmap`` over parameters and optimiser state.
+trained together as one jitted program, ``jax.vmap`` over parameters and optimiser state
+(``train.population_mode=vmap``, the default), or with each member's step written out in the
+program (``unroll``: faster steps on the CPU, a bigger program; README "Populations").
 
 The population step is ``train.step.make_train_step`` itself, vmapped: each member builds its
 optimiser with ``make_optimizer(..., lr=<its traced lr>)``, so a member's update is exactly the
@@ -150,6 +152,24 @@ def _batch_spec(stacked: bool, shape, mesh) -> NamedSharding:
   return NamedSharding(mesh, sh.fit_spec(spec, shape, mesh))
 
 
+def over_members(fn, in_axes, size: int, unroll: bool):
+  """``fn`` mapped over the leading (member) axis of the arguments whose ``in_axes`` is 0 (None:
+  shared by all): ``jax.vmap``, or with ``unroll`` one call per member in the program, outputs
+  stacked. Unrolled, each member's ops stay the plain single-run ops (no member-batched dots)
+  and independent members' ops can run side by side; the program is ``size`` times bigger."""
+  if not unroll:
+    return jax.vmap(fn, in_axes=in_axes)
+
+  def mapped(*args):
+    def member(i):
+      return [a if ax is None else jax.tree.map(lambda x: x[i], a) for a, ax in zip(args, in_axes)]
+
+    outs = [fn(*member(i)) for i in range(size)]
+    return jax.tree.map(lambda *o: jnp.stack(o), *outs)
+
+  return mapped
+
+
 def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
   """The population's jitted functions for `cfg`'s shapes (cached)."""
   key = (shared_key(cfg), size, stacked_batch, mesh)
@@ -168,14 +188,16 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
     m_tx, m_schedule = make_optimizer(cfg.optim, steps, lr=lr)
     return make_train_step(model, m_tx, m_schedule, cfg)(state, batch, diag)
 
+  unroll = cfg.train.population_mode == "unroll"
+
   def pop_step(state, lrs, active, batch, diag):
-    new, metrics = jax.vmap(lambda s, lr, b: member_step(s, lr, b, diag), in_axes=(0, 0, b_axis))(
-      state, lrs, batch
-    )
+    new, metrics = over_members(
+      lambda s, lr, b: member_step(s, lr, b, diag), (0, 0, b_axis), size, unroll
+    )(state, lrs, batch)
     freeze = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
     return jax.tree.map(freeze, new, state), metrics
 
-  evaluate = jax.vmap(make_eval_step(model, cfg), in_axes=(0, b_axis))
+  evaluate = over_members(make_eval_step(model, cfg), (0, b_axis), size, unroll)
   prog = Programs(
     model=model,
     example=example,

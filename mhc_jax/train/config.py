@@ -459,6 +459,10 @@ class TrainConfig(_Section):
   spike_threshold: float = 6.0  # in standard deviations of the trailing window
   halt_on_divergence: bool = False
   tensorboard: bool = False  # also write TensorBoard event files to <run>/tb (extra: tb)
+  # How a population's members share one program (mhc_jax.sweep.population): "vmap" batches
+  # them (accelerators: bigger kernels); "unroll" writes one step per member into the program
+  # (the CPU: plain, concurrent ops; 1.45x faster steps for 4 mhc members, compile ~P times).
+  population_mode: Literal["vmap", "unroll"] = "vmap"
   # Fault injection for testing the non-finite policy: the loss at this step is made NaN.
   inject_nonfinite_at: int = -1
 
