@@ -191,11 +191,26 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
   unroll = cfg.train.population_mode == "unroll"
 
   def pop_step(state, lrs, active, batch, diag):
-    new, metrics = over_members(
-      lambda s, lr, b: member_step(s, lr, b, diag), (0, 0, b_axis), size, unroll
-    )(state, lrs, batch)
+    if unroll:
+      return unrolled_step(state, lrs, active, batch, diag)
+    new, metrics = jax.vmap(lambda s, lr, b: member_step(s, lr, b, diag), in_axes=(0, 0, b_axis))(
+      state, lrs, batch
+    )
     freeze = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
     return jax.tree.map(freeze, new, state), metrics
+
+  def unrolled_step(state, lrs, active, batch, diag):
+    # each member's new state written into the (donated) stacked state in place: stacking the
+    # members' outputs anew cost ~10% of the step on the CPU
+    new, metrics = state, []
+    for i in range(size):
+      old = jax.tree.map(lambda a: a[i], state)
+      b = batch if b_axis is None else jax.tree.map(lambda a: a[i], batch)
+      s, m = member_step(old, lrs[i], b, diag)
+      s = jax.tree.map(lambda n, o: jnp.where(active[i], n, o), s, old)
+      new = jax.tree.map(lambda a, x: a.at[i].set(x), new, s)
+      metrics.append(m)
+    return new, jax.tree.map(lambda *a: jnp.stack(a), *metrics)
 
   evaluate = over_members(make_eval_step(model, cfg), (0, b_axis), size, unroll)
   prog = Programs(
