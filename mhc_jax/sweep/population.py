@@ -155,8 +155,8 @@ def _batch_spec(stacked: bool, shape, mesh) -> NamedSharding:
 def over_members(fn, in_axes, size: int, unroll: bool):
   """``fn`` mapped over the leading (member) axis of the arguments whose ``in_axes`` is 0 (None:
   shared by all): ``jax.vmap``, or with ``unroll`` one call per member in the program, outputs
-  stacked. Unrolled, each member's ops stay the plain single-run ops (no member-batched dots)
-  and independent members' ops can run side by side; the program is ``size`` times bigger."""
+  stacked. Unrolled, each member's ops stay the plain single-run ops (no member-batched dots);
+  the program holds ``size`` copies of ``fn``."""
   if not unroll:
     return jax.vmap(fn, in_axes=in_axes)
 

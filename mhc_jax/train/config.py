@@ -461,7 +461,7 @@ class TrainConfig(_Section):
   tensorboard: bool = False  # also write TensorBoard event files to <run>/tb (extra: tb)
   # How a population's members share one program (mhc_jax.sweep.population): "vmap" batches
   # them (accelerators: bigger kernels); "unroll" writes one step per member into the program
-  # (the CPU, mixers with many small ops: 4 mhc members 1.37x faster, compile 2.5x slower).
+  # (the CPU, mixers with many small ops: 4 mhc members 1.35x faster, compile 2.5x slower).
   population_mode: Literal["vmap", "unroll"] = "vmap"
   # Fault injection for testing the non-finite policy: the loss at this step is made NaN.
   inject_nonfinite_at: int = -1
