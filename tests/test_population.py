@@ -191,7 +191,7 @@ def test_unrolled_population_steps_like_the_vmapped_one(stacked, fast_compile):
   from mhc_jax.train.config import load_config
   from mhc_jax.train.loop import host_batch, prepare
 
-  lrs, active = np.asarray([1e-3, 3e-2, 1e-2], np.float32), np.asarray([True, True, False])
+  lrs, active = np.asarray([3e-2, 1e-2], np.float32), np.asarray([True, False])
   out, dots = {}, {}
   for mode in ("vmap", "unroll"):
     setup = prepare(load_config(REPO / "configs" / "debug.yaml", [f"train.population_mode={mode}"]))
@@ -208,6 +208,6 @@ def test_unrolled_population_steps_like_the_vmapped_one(stacked, fast_compile):
       metrics.append(m)
     out[mode] = jax.device_get((state, metrics, prog.eval(state.params, batch)))
   assert dots["unroll"] > (len(lrs) - 1) * dots["vmap"] > 0  # ~one copy per member
-  assert out["unroll"][0].step.tolist() == [2, 2, 0]
+  assert out["unroll"][0].step.tolist() == [2, 0]
   for got, want in zip(jax.tree.leaves(out["unroll"]), jax.tree.leaves(out["vmap"])):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
