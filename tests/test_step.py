@@ -1,4 +1,5 @@
-"""The train step: the loss (sampled targets, soft posterior targets, a wider model vocab) and\nthe per-layer gradient diagnostics."""
+"""The train step: the loss (sampled targets, soft posterior targets, a wider model vocab) and
+the per-layer gradient diagnostics."""
 
 from pathlib import Path
 

@@ -131,11 +131,11 @@ class Attention(nn.Module):
     # axes lead, which XLA's CPU dots ran 1.38x faster (fwd + bwd) than the same einsums over
     # [B, T, H, D] (benchmarks/layer_bench.py); the same forward, gradients equal to rounding.
     q_BHTD, k_BHSD, v_BHSD = (jnp.swapaxes(a, -3, -2) for a in (q, k, v))
-    probes = self.is_mutable_collection("intermediates")
+    keep_probs = self.is_mutable_collection("intermediates")  # the full T x T only when sown
     y_BHTD, logit_max, probs = causal_attention(
-      q_BHTD, k_BHSD, v_BHSD, query_chunk(q.shape[-3]), probes, self.dtype
+      q_BHTD, k_BHSD, v_BHSD, query_chunk(q.shape[-3]), keep_probs, self.dtype
     )
-    if probes:
+    if keep_probs:
       self.sow("intermediates", "attn", probs)
     y_BTHD = jnp.swapaxes(y_BHTD, -3, -2)
     y_NHD = y_BTHD.reshape((-1,) + y_BTHD.shape[-2:])

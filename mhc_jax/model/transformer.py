@@ -65,10 +65,11 @@ sq_norm_tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 def _add(state, probe):
-  """Add a zero probe (same pytree as the state) so its gradient is dLoss/d(state); a scalar
-  probe leaf instead gets ``Σ (dLoss/d(state))²`` as its gradient (``sq_norm_tap``)."""
+  """Add a zero probe (same pytree as the state) so its gradient is dLoss/d(state); a probe leaf
+  that is a scalar where the state's is not (``zero_probes(squares=True)``) instead gets
+  ``Σ (dLoss/d(state))²`` as its gradient (``sq_norm_tap``)."""
   return jax.tree.map(
-    lambda s, p: sq_norm_tap(s, p) if p.ndim == 0 else s + p.astype(s.dtype), state, probe
+    lambda s, p: s + p.astype(s.dtype) if p.shape == s.shape else sq_norm_tap(s, p), state, probe
   )
 
 
@@ -204,6 +205,8 @@ def zero_probes(cfg, batch: int, length: int, squares: bool = False):
   gradients are the squared norms ``Σ (dLoss/d(state))²`` (``sq_norm_tap``): what per-layer
   gradient RMS needs, without a ``[L, 2, *state]`` buffer in the step."""
   st = state_shapes(cfg, batch, length)
+  if squares and any(s.ndim == 0 for s in jax.tree.leaves(st)):
+    raise ValueError(f"mixer {cfg.mixer!r}: a scalar state leaf cannot take a squared-norm probe")
   shape = (lambda s: ()) if squares else (lambda s: s.shape)
   layer = jax.tree.map(lambda s: jnp.zeros((cfg.depth, 2) + shape(s), jnp.float32), st)
   out = jax.tree.map(lambda s: jnp.zeros(shape(s), jnp.float32), st)

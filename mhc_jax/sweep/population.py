@@ -152,6 +152,11 @@ def _batch_spec(stacked: bool, shape, mesh) -> NamedSharding:
   return NamedSharding(mesh, sh.fit_spec(spec, shape, mesh))
 
 
+def _member(tree, i: int):
+  """Member ``i`` of a tree stacked along a leading member axis."""
+  return jax.tree.map(lambda a: a[i], tree)
+
+
 def over_members(fn, in_axes, size: int, unroll: bool):
   """``fn`` mapped over the leading (member) axis of the arguments whose ``in_axes`` is 0 (None:
   shared by all): ``jax.vmap``, or with ``unroll`` one call per member in the program, outputs
@@ -162,7 +167,7 @@ def over_members(fn, in_axes, size: int, unroll: bool):
 
   def mapped(*args):
     def member(i):
-      return [a if ax is None else jax.tree.map(lambda x: x[i], a) for a, ax in zip(args, in_axes)]
+      return [a if ax is None else _member(a, i) for a, ax in zip(args, in_axes)]
 
     outs = [fn(*member(i)) for i in range(size)]
     return jax.tree.map(lambda *o: jnp.stack(o), *outs)
@@ -204,8 +209,8 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
     # members' outputs anew cost ~10% of the step on the CPU
     new, metrics = state, []
     for i in range(size):
-      old = jax.tree.map(lambda a: a[i], state)
-      b = batch if b_axis is None else jax.tree.map(lambda a: a[i], batch)
+      old = _member(state, i)
+      b = batch if b_axis is None else _member(batch, i)
       s, m = member_step(old, lrs[i], b, diag)
       s = jax.tree.map(lambda n, o: jnp.where(active[i], n, o), s, old)
       new = jax.tree.map(lambda a, x: a.at[i].set(x), new, s)
@@ -223,7 +228,7 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
     stacked_batch=stacked_batch,
     step=jax.jit(pop_step, static_argnums=4, donate_argnums=0, out_shardings=(pop_shard, rep)),
     eval=jax.jit(evaluate, out_shardings=rep),
-    take=jax.jit(lambda s, i: jax.tree.map(lambda a: a[i], s), out_shardings=shard),
+    take=jax.jit(_member, out_shardings=shard),
     stack=jax.jit(lambda ss: jax.tree.map(lambda *a: jnp.stack(a), *ss), out_shardings=pop_shard),
   )
   if len(_CACHE) >= 8:
