@@ -8,7 +8,9 @@ each mixer, next to the same process's dense-matmul rate, so every figure is a r
 Shape (default): width 256, 8 blocks, 8 sequences x 256 tokens, vocabulary 256, AdamW, the
 project's own train step (``mhc_jax.train.step.make_train_step``) jitted with the state donated,
 on one device. Variants: ``scan`` (nn.scan, diagnostics off), ``loop`` (Python loop over blocks),
-``diag`` (scan with the per-layer diagnostics on), ``bf16`` (scan, bfloat16 compute).
+``diag`` (scan with the per-layer diagnostics on), ``bf16`` (scan, bfloat16 compute), and any
+of these with config overrides after ``+`` (``scan+model.remat=full``: an A/B row in the same
+rounds as the plain one).
 
 Model FLOPs per step = 3 x forward (forward + backward), forward per token =
 2 x (matmul parameters, embedding excluded, the head counted once) + the attention score and
@@ -16,9 +18,12 @@ value products (2 x 2 x T x C per block, causal counted in full). Mixer arithmet
 counted: an mHC step that takes longer shows as a lower rate. ``xla_gflop`` is XLA's own count
 of the compiled step (cost analysis), for reference.
 
-Times are medians over ``--steps`` timed steps after ``--warmup`` untimed ones, each blocked on;
-each row's "of matmul" divides by the dense-matmul rate measured again right after that row.
-On the 2-core CPU the whole default run takes about 10 minutes; nothing else should run then.
+Every row is compiled first; then the rows are timed round-robin, ``--steps`` rounds after
+``--warmup`` untimed ones, each round one step of every row (blocked on) and three dense matmuls.
+A row's time is its median over rounds; "of matmul" and every ratio are medians of the same
+round's figures, so the VM's speed drifting during the run (its matmul rate has moved 92-152
+GFLOP/s between runs minutes apart) cancels out of them. On the 2-core CPU the default run takes
+about 10 minutes; nothing else should run then.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -45,13 +51,20 @@ from mhc_jax.train.step import make_train_step
 VARIANTS = ("scan", "loop", "diag", "bf16")
 
 
-def matmul_rate(m: int = 2048, k: int = 1024, n: int = 4096, steps: int = 10) -> float:
-  """GFLOP/s of a dense float32 ``[m, k] @ [k, n]`` matmul in this process."""
+def matmul_fn(m: int = 2048, k: int = 1024, n: int = 4096):
+  """``(call, flops)``: one dense float32 ``[m, k] @ [k, n]`` matmul, jitted and warmed up."""
   a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
   b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)
   f = jax.jit(jnp.matmul)
-  _, t = median_time(lambda: f(a, b), steps, 3)
-  return 2 * m * k * n / t / 1e9
+  jax.block_until_ready(f(a, b))
+  return (lambda: f(a, b)), 2 * m * k * n
+
+
+def matmul_rate(steps: int = 10) -> float:
+  """GFLOP/s of the dense matmul of ``matmul_fn`` in this process (median of ``steps``)."""
+  call, flops = matmul_fn()
+  _, t = median_time(call, steps, 3)
+  return flops / t / 1e9
 
 
 def model_flops(cfg, tokens: int, seq_len: int) -> float:
@@ -83,37 +96,91 @@ def build(cfg, variant: str):
   return fn, state, batch
 
 
-def run_one(base_overrides, mixer: str, variant: str, steps: int, warmup: int) -> dict:
+def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
+  """Build and compile one row: ``{"mixer", "variant", "cfg", "call", "compile_s", "xla_gflop"}``;
+  ``call()`` runs one step (the state donated and carried in a box) and returns its loss."""
+  kind, *extra = variant.split("+")  # "scan+KEY=VALUE": the scan row with more overrides
   ov = list(base_overrides) + [f"model.mixer={mixer}"]
-  if variant == "loop":
+  if kind == "loop":
     ov.append("model.scan=false")
-  if variant == "bf16":
+  if kind == "bf16":
     ov.append("model.dtype=bfloat16")
-  cfg = load_config(None, ov)
-  fn, state, batch = build(cfg, variant)
+  cfg = load_config(None, ov + extra)
+  fn, state, batch = build(cfg, kind)
   t0 = time.perf_counter()
   xla = fn.lower(state, batch).compile().cost_analysis()
   compile_s = time.perf_counter() - t0
   xla = xla[0] if isinstance(xla, (list, tuple)) else xla
   box = [state]
 
-  def one():
+  def call():
     box[0], metrics = fn(box[0], batch)
     return metrics["loss"]
 
-  _, med = median_time(one, steps, warmup)
-  b, t = cfg.data.batch_size, cfg.data.seq_len
-  flops = model_flops(cfg, b * t, t)
+  jax.block_until_ready(call())  # the first call (the executable is cached by now)
   return {
     "mixer": mixer,
     "variant": variant,
+    "cfg": cfg,
+    "call": call,
     "compile_s": round(compile_s, 2),
-    "step_s": round(med, 4),
-    "tokens_per_s": round(b * t / med, 1),
-    "gflop_per_s": round(flops / med / 1e9, 2),
-    "model_gflop": round(flops / 1e9, 2),
     "xla_gflop": round(float(xla.get("flops", float("nan"))) / 1e9, 2),
   }
+
+
+def timed(fn) -> float:
+  t = time.perf_counter()
+  jax.block_until_ready(fn())
+  return time.perf_counter() - t
+
+
+def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -> list[dict]:
+  """Time the rows round-robin: each round runs one step of every row, then the dense matmul
+  ``rate_calls`` times. A row's step time is the median over rounds; its share of the matmul
+  rate and its ratio to the first row are medians of the per-round figures, so a VM whose speed
+  drifts or jumps during the run (this one's matmul rate moved 92-152 GFLOP/s between runs
+  minutes apart) moves every row of a round together and leaves the ratios alone."""
+  mm = matmul_fn()
+  for _ in range(warmup):
+    for r in rows:
+      timed(r["call"])
+  times = [[] for _ in rows]
+  rates = []
+  for _ in range(steps):
+    for i, r in enumerate(rows):
+      times[i].append(timed(r["call"]))
+    rates.append(mm[1] / statistics.median(timed(mm[0]) for _ in range(rate_calls)) / 1e9)
+  out = []
+  for r, ts in zip(rows, times):
+    b, t = r["cfg"].data.batch_size, r["cfg"].data.seq_len
+    flops = model_flops(r["cfg"], b * t, t)
+    med = statistics.median(ts)
+    out.append(
+      {
+        "mixer": r["mixer"],
+        "variant": r["variant"],
+        "compile_s": r["compile_s"],
+        "step_s": round(med, 4),
+        "tokens_per_s": round(b * t / med, 1),
+        "gflop_per_s": round(flops / med / 1e9, 2),
+        "model_gflop": round(flops / 1e9, 2),
+        "xla_gflop": r["xla_gflop"],
+        "matmul_gflop_per_s": round(statistics.median(rates), 1),
+        "of_matmul_rate": round(
+          statistics.median(flops / s / 1e9 / q for s, q in zip(ts, rates)), 3
+        ),
+        "times": [round(s, 4) for s in ts],
+      }
+    )
+  return out
+
+
+def paired(rows: list[dict], a: tuple, b: tuple) -> float | None:
+  """Median over rounds of row ``a``'s step time over row ``b``'s (same round)."""
+  by = {(r["mixer"], r["variant"]): r["times"] for r in rows}
+  if a not in by or b not in by:
+    return None
+  return statistics.median(x / y for x, y in zip(by[a], by[b]))
 
 
 def main(argv=None) -> int:
@@ -141,7 +208,7 @@ def main(argv=None) -> int:
   )
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
-  bad = sorted(set(variants) - set(VARIANTS))
+  bad = sorted({v for v in variants if v.split("+")[0] not in VARIANTS})
   if bad:
     print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
     return 2
@@ -159,50 +226,59 @@ def main(argv=None) -> int:
   ]
   try:  # a bad --set is one clear message before anything runs
     load_config(None, base)
+    for v in variants:
+      load_config(None, base + v.split("+")[1:])
   except ConfigError as e:
     print(f"error: --set: {e}", file=sys.stderr)
     return 2
   rate = matmul_rate()
   print(f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-  print(f"dense matmul (2048x1024 @ 1024x4096, f32): {rate:.1f} GFLOP/s")
-  rows = []
+  print(f"dense matmul (2048x1024 @ 1024x4096, f32): {rate:.1f} GFLOP/s at start")
+  prepared = []
   for mixer in [m for m in args.mixers.split(",") if m]:
     for variant in variants:
-      if variant != "scan" and mixer not in ("residual", "mhc") and not args.all_variants:
+      if (
+        not variant.startswith("scan")
+        and mixer not in ("residual", "mhc")
+        and not args.all_variants
+      ):
         continue
       ov = base + ([f"model.mixer_options.n={args.n}"] if mixer != "residual" else [])
       try:
-        row = run_one(ov, mixer, variant, args.steps, args.warmup)
+        prepared.append(prepare_row(ov, mixer, variant))
       except Exception as e:  # a mixer that cannot run this shape: say so, keep going
         print(f"{mixer:>14} {variant:>5}  failed: {type(e).__name__}: {e}", flush=True)
-        continue
-      # the machine's rate again right after this row's timing: on a shared VM it moves by
-      # 20-30% within one run, and a ratio to a rate measured minutes earlier can mislead
-      row["matmul_gflop_per_s"] = round(matmul_rate(), 1)
-      row["of_matmul_rate"] = round(row["gflop_per_s"] / row["matmul_gflop_per_s"], 3)
-      rows.append(row)
-      print(
-        f"{mixer:>14} {variant:>5}  step {row['step_s']:.3f} s  "
-        f"{row['tokens_per_s']:>9.0f} tok/s  {row['gflop_per_s']:6.1f} GFLOP/s "
-        f"({100 * row['of_matmul_rate']:.0f}% of matmul at {row['matmul_gflop_per_s']:.0f})  "
-        f"compile {row['compile_s']:.1f} s",
-        flush=True,
-      )
-  by = {(r["mixer"], r["variant"]): r["step_s"] for r in rows}
-  res = by.get(("residual", "scan"))
-  print("\nratios (step time):")
-  if res and ("residual", "loop") in by:
-    print(f"  residual scan / loop: {res / by[('residual', 'loop')]:.2f}")
-  for m in ("residual", "mhc"):
-    if (m, "scan") in by and (m, "diag") in by:
-      print(f"  {m} diag on / off: {by[(m, 'diag')] / by[(m, 'scan')]:.2f}")
-  for m in ("hc", "mhc", "mhc_lite"):
-    if res and (m, "scan") in by:
-      print(f"  {m} / residual (scan): {by[(m, 'scan')] / res:.2f}")
+  print(f"compiled {len(prepared)} rows; timing {args.steps} rounds (one step of each row a round)")
+  rows = interleave(prepared, args.steps, args.warmup)
+  for row in rows:
+    print(
+      f"{row['mixer']:>14} {row['variant']:>5}  step {row['step_s']:.3f} s  "
+      f"{row['tokens_per_s']:>9.0f} tok/s  {row['gflop_per_s']:6.1f} GFLOP/s "
+      f"({100 * row['of_matmul_rate']:.0f}% of matmul)  compile {row['compile_s']:.1f} s",
+      flush=True,
+    )
+  print(
+    f"matmul rate over the rounds: median {rows[0]['matmul_gflop_per_s'] if rows else 0} GFLOP/s"
+  )
+  print("\nratios (step time, median over rounds of the same round's ratio):")
+  res = ("residual", "scan")
+  pairs = [("residual scan / loop", res, ("residual", "loop"))]
+  pairs += [(f"{m} diag on / off", (m, "diag"), (m, "scan")) for m in ("residual", "mhc")]
+  pairs += [(f"{m} bf16 / f32", (m, "bf16"), (m, "scan")) for m in ("residual", "mhc")]
+  pairs += [(f"{m} / residual (scan)", (m, "scan"), res) for m in ("hc", "mhc", "mhc_lite")]
+  pairs += [
+    (f"{r['mixer']} {r['variant']} / scan", (r["mixer"], r["variant"]), (r["mixer"], "scan"))
+    for r in rows
+    if "+" in r["variant"]
+  ]
+  for name, x, y in pairs:
+    q = paired(rows, x, y)
+    if q is not None:
+      print(f"  {name}: {q:.2f}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(
-        {"matmul_gflop_per_s": rate, "rows": rows, "argv": argv or sys.argv[1:]}, f, indent=1
+        {"matmul_gflop_per_s_start": rate, "rows": rows, "argv": argv or sys.argv[1:]}, f, indent=1
       )
   return 0
 
