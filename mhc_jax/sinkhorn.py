@@ -38,8 +38,12 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 GRAD_MODES = ("unroll", "implicit")
+# The name the projection gives its output and the "unroll" gradient's residuals, so a remat
+# policy can keep them instead of running the iterations again (model.remat=dots does).
+REMAT_NAME = "sinkhorn"
 _RIDGE_EPS = 10.0  # ridge on the implicit system, in units of the dtype's machine epsilon
 
 
@@ -113,6 +117,7 @@ def _unroll_fwd(z, iters):
 
   f, (fs, gs) = jax.lax.scan(step, jnp.zeros(zt.shape[1:], zt.dtype), None, length=iters)
   pt = _plan(zt, f, gs[-1])
+  zt, pt, f, fs, gs = (checkpoint_name(a, REMAT_NAME) for a in (zt, pt, f, fs, gs))
   return _back(pt, z.shape[:-2]), (zt, pt, f, fs, gs)
 
 
@@ -147,7 +152,7 @@ def _project_implicit(z: jax.Array, iters: int) -> jax.Array:
 
 
 def _implicit_fwd(z, iters):
-  p = _project(z, iters)
+  p = checkpoint_name(_project(z, iters), REMAT_NAME)
   return p, p
 
 

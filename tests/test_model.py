@@ -6,6 +6,7 @@ HC-at-init vs residual differ by the final RMSNorm's eps acting on n·h vs h (at
 
 import dataclasses
 import functools
+import re
 
 import chex
 import flax.linen as nn
@@ -76,6 +77,21 @@ def test_remat_does_not_change_results():
     l1, g1 = vg(loss_fn(dataclasses.replace(cfg, remat=remat)))(params)
     np.testing.assert_allclose(l0, l1, rtol=1e-6)
     chex.assert_trees_all_close(g0, g1, atol=1e-5, rtol=1e-5)
+
+
+def _rematted_sinkhorn_loops(cfg, params) -> int:
+  """Sinkhorn loops (mhc's project_res) run again in the backward's rematerialised forward."""
+  hlo = vg(loss_fn(cfg)).lower(params).compile().as_text()
+  return len(re.findall(r" while\(.*rematted_computation.*project_res", hlo))
+
+
+def test_remat_dots_keeps_the_sinkhorn_results(fast_compile):
+  """model.remat=dots saves the projection's output and potentials (sinkhorn.REMAT_NAME): the
+  rematerialised forward runs no Sinkhorn iterations (remat=full still does: the count can fail)."""
+  cfg = cfg_for("mhc")
+  params = init(cfg)
+  assert _rematted_sinkhorn_loops(dataclasses.replace(cfg, remat="full"), params) > 0
+  assert _rematted_sinkhorn_loops(dataclasses.replace(cfg, remat="dots"), params) == 0
 
 
 def test_causal():

@@ -22,12 +22,17 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mhc_jax import mixers
+from mhc_jax import mixers, sinkhorn as sk
 from mhc_jax.model.layers import MLP, Attention, RMSNorm, kernel_init
 
 REMAT_POLICIES = {
   "full": None,
-  "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+  # matmul outputs, and the Sinkhorn projection's small per-token results (sinkhorn.REMAT_NAME),
+  # so the backward does not run its iterations a second time
+  "dots": jax.checkpoint_policies.save_from_both_policies(
+    jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    jax.checkpoint_policies.save_only_these_names(sk.REMAT_NAME),
+  ),
 }
 
 
