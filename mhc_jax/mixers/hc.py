@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm, tokdot
+from mhc_jax.mixers.base import Mixer, make_stats, mix, normed_tokdot, param, read
 
 
 class HyperConnection(Mixer):
@@ -37,7 +37,6 @@ class HyperConnection(Mixer):
     a_r = param(self, "b_mix", lambda k, s, d: jnp.eye(n, dtype=d), (n, n), ("streams", None))
     b = param(self, "b_write", nn.initializers.ones, (n,), ("streams",))
     if self.dynamic:
-      xn = rms_norm(x_BTnC)  # [B,T,n,C]
       zeros = nn.initializers.zeros
       w_m = param(self, "w_read", zeros, (c,), ("embed",))
       w_r = param(self, "w_mix", zeros, (c, n), ("embed", "streams"))
@@ -45,9 +44,9 @@ class HyperConnection(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       s_a = param(self, "s_alpha", const, (), ())
       s_b = param(self, "s_beta", const, (), ())
-      # one pass over the normed state for all three projections (one dot, not three)
+      # one pass over the state for all three projections of the normed state (one dot)
       w = jnp.concatenate([w_m[:, None], w_r, w_b[:, None]], axis=1)  # [C, n+2]
-      z = jnp.tanh(tokdot(xn, w))  # [B,T,n,n+2]
+      z = jnp.tanh(normed_tokdot(x_BTnC, w))  # [B,T,n,n+2]
       a_m = s_a * z[..., 0] + a_m  # [B,T,n]
       a_r = s_a * z[..., 1 : n + 1] + a_r  # [B,T,n,n]
       b = s_b * z[..., n + 1] + b  # [B,T,n]

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from mhc_jax import sinkhorn as sk
-from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm, tokdot
+from mhc_jax.mixers.base import Mixer, make_stats, mix, normed_tokdot, param, read
 
 DIAG_INIT = 0.95  # target diagonal of H_res at initialisation for h_res_init="identity"
 READ_INIT = 0.95  # sigma(b_pre) on the read stream for pre_init="onehot" (1 - READ_INIT elsewhere)
@@ -110,14 +110,14 @@ class ManifoldHyperConnection(Mixer):
     )
     z_pre, z_post, z_res = b_pre, b_post, b_res
     if self.dynamic:
-      v = rms_norm(x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,)))  # [B,T,nC]
+      x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC], normed in the dot
       phi_init = nn.initializers.normal(self.phi_init / math.sqrt(n * c))
       phi = param(self, "phi", phi_init, (n * c, 2 * n + r), ("streams_embed", None))
       const = nn.initializers.constant(self.alpha_init)
       a_pre, a_post, a_res = (
         param(self, f"alpha_{k}", const, (), ()) for k in ("pre", "post", "res")
       )
-      proj = tokdot(v, phi)  # [B,T,2n+r]
+      proj = normed_tokdot(x_BTK, phi)  # [B,T,2n+r]
       z_pre = a_pre * proj[..., :n] + b_pre
       z_post = a_post * proj[..., n : 2 * n] + b_post
       z_res = a_res * proj[..., 2 * n :] + b_res
