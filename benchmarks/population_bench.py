@@ -1,25 +1,29 @@
-"""Population step vs sequential runs: median step time of one vmapped program training P
-learning rates at once, against P separate jitted steps (what P separate runs execute).
+"""Population step vs sequential runs: median step time of one program training P learning
+rates at once (vmapped, and with each member's step written out: train.population_mode=unroll),
+against P separate jitted steps (what P separate runs execute).
 
     python benchmarks/population_bench.py                      # P=4, mhc, depth 4, width 64
     python benchmarks/population_bench.py --members 8 --width 128 --seq-len 128
     python benchmarks/population_bench.py --set model.remat=none     # any config override
-    python benchmarks/population_bench.py --set train.population_mode=unroll   # no vmap
+    python benchmarks/population_bench.py --modes vmap               # one population mode only
 
-Both sides run the same train step (train.step.make_train_step, per-layer diagnostics off)
-on the same batch, on whatever devices JAX sees (mesh from the config: data-parallel over all).
-Times are medians over --steps timed steps after --warmup untimed ones, each step blocked on.
-Compile times are reported separately: a population compiles once, P runs compile P times.
+Every side runs the same train step (train.step.make_train_step, per-layer diagnostics off) on
+the same batch, on whatever devices JAX sees (mesh from the config: data-parallel over all).
+All programs are compiled first, then timed round-robin: each of ``--steps`` rounds (after
+``--warmup`` untimed ones) runs one step of every population mode and one step of each of the
+P runs, each step blocked on. A speed-up is the median over rounds of that round's P
+sequential steps over its population step, so the VM's speed drifting during the run cancels
+out of it. Compile times are reported separately: a population compiles once, P runs P times.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import jax
 import numpy as np
-from timing import median_time
 
 from mhc_jax.sweep import population
 from mhc_jax.train import sharding as sh
@@ -40,8 +44,12 @@ def main(argv=None) -> None:
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--modes", default="vmap,unroll", help="population modes, comma list")
   ap.add_argument("--set", nargs="*", default=[], help="further config overrides (KEY=VALUE)")
   args = ap.parse_args(argv)
+  modes = [m for m in args.modes.split(",") if m]
+  if not modes or set(modes) - {"vmap", "unroll"}:
+    ap.error(f"--modes: expected a comma list of vmap, unroll; got {args.modes!r}")
 
   lrs = list(np.geomspace(1e-3, 3e-2, args.members))
   base = load_config(
@@ -69,22 +77,33 @@ def main(argv=None) -> None:
     f"{args.members} learning rates"
   )
 
-  # the population: one program
-  prog = population.programs(cfg, mesh, args.members, stacked_batch=False)
-  state = {"s": prog.init_all([s.cfg for s in setups])}
   lr_arr = jax.device_put(np.asarray(lrs, np.float32), sh.replicated(mesh))
   active = jax.device_put(np.ones(args.members, bool), sh.replicated(mesh))
+  calls, compile_s = {}, {}
 
-  def pop_step():
-    state["s"], m = prog.step(state["s"], lr_arr, active, batch, False)
-    return m["loss"]
+  def first_call(name, fn):
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    compile_s[name] = time.perf_counter() - t
+    calls[name] = fn
 
-  pop_first, pop_med = median_time(pop_step, args.steps, args.warmup)
+  # the population: one program per mode
+  for mode in modes:
+    mcfg = with_overrides(cfg, {"train.population_mode": mode})
+    prog = population.programs(mcfg, mesh, args.members, stacked_batch=False)
+    box = {
+      "s": prog.init_all([with_overrides(s.cfg, {"train.population_mode": mode}) for s in setups])
+    }
+
+    def pop_step(prog=prog, box=box):
+      box["s"], m = prog.step(box["s"], lr_arr, active, batch, False)
+      return m["loss"]
+
+    first_call(f"population ({mode})", pop_step)
 
   # P separate runs: each its own compiled step with its lr a constant (as train() builds it)
-  seq_first, seq_med = [], []
-  for s in setups:
-    model = prog.model
+  model = prog.model
+  for i, s in enumerate(setups):
     tx, schedule = make_optimizer(s.cfg.optim, s.cfg.train.steps)
     st, shard = create_state(model, prog.example, tx, mesh, s.cfg.train.seed)
     fn = jax.jit(
@@ -99,26 +118,35 @@ def main(argv=None) -> None:
       holder["s"], m = fn(holder["s"], batch, False)
       return m["loss"]
 
-    f, m = median_time(one_step, args.steps, args.warmup)
-    seq_first.append(f)
-    seq_med.append(m)
+    first_call(f"run {i}", one_step)
 
-  seq_total = sum(seq_med)
+  times = {k: [] for k in calls}
+  for r in range(args.warmup + args.steps):
+    for k, fn in calls.items():
+      t = time.perf_counter()
+      jax.block_until_ready(fn())
+      if r >= args.warmup:
+        times[k].append(time.perf_counter() - t)
+  runs = [k for k in calls if k.startswith("run ")]
+  seq = [sum(times[k][r] for k in runs) for r in range(args.steps)]
+  seq_compile = sum(compile_s[k] for k in runs)
   print(
-    f"population of {args.members}: median step {pop_med * 1e3:.1f} ms "
-    f"({args.members * tokens / pop_med:,.0f} tokens/s over all members); "
-    f"first call (compile) {pop_first:.1f} s"
+    f"{args.members} sequential runs: median step {statistics.median(seq) / args.members * 1e3:.1f}"
+    f" ms each, {statistics.median(seq) * 1e3:.1f} ms for all {args.members} "
+    f"({args.members * tokens / statistics.median(seq):,.0f} tokens/s); first calls (compile) "
+    f"{seq_compile:.1f} s in all"
   )
-  print(
-    f"{args.members} sequential runs: median step {statistics.mean(seq_med) * 1e3:.1f} ms each, "
-    f"{seq_total * 1e3:.1f} ms for all {args.members} "
-    f"({args.members * tokens / seq_total:,.0f} tokens/s); first calls (compile) "
-    f"{sum(seq_first):.1f} s in all"
-  )
-  print(
-    f"speed-up of the population: {seq_total / pop_med:.2f}x per step, "
-    f"{sum(seq_first) / pop_first:.2f}x in compile time"
-  )
+  for k in calls:
+    if k in runs:
+      continue
+    med = statistics.median(times[k])
+    speedup = statistics.median(a / b for a, b in zip(seq, times[k]))
+    print(
+      f"{k} of {args.members}: median step {med * 1e3:.1f} ms "
+      f"({args.members * tokens / med:,.0f} tokens/s over all members), speed-up "
+      f"{speedup:.2f}x per step; first call (compile) {compile_s[k]:.1f} s, "
+      f"{seq_compile / compile_s[k]:.2f}x faster than the {args.members} runs'"
+    )
 
 
 if __name__ == "__main__":
