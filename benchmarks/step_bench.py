@@ -10,7 +10,11 @@ project's own train step (``mhc_jax.train.step.make_train_step``) jitted with th
 on one device. Variants: ``scan`` (nn.scan, diagnostics off), ``loop`` (Python loop over blocks),
 ``diag`` (scan with the per-layer diagnostics on), ``bf16`` (scan, bfloat16 compute), and any
 of these with config overrides after ``+`` (``scan+model.remat=full``: an A/B row in the same
-rounds as the plain one).
+rounds as the plain one). An override whose key starts with ``xla_`` is an XLA compiler option
+for that row's executable instead (``scan+xla_cpu_prefer_vector_width=512``; an enum option
+takes the proto's value name, e.g. ``xla_cpu_experimental_ynn_fusion_type=
+LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT``, which replaces the default list): XLA flags, which
+``XLA_FLAGS`` sets only per process, compared in one process.
 
 Model FLOPs per step = 3 x forward (forward + backward), forward per token =
 2 x (matmul parameters, embedding excluded, the head counted once) + the attention score and
@@ -100,6 +104,7 @@ def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
   """Build and compile one row: ``{"mixer", "variant", "cfg", "call", "compile_s", "xla_gflop"}``;
   ``call()`` runs one step (the state donated and carried in a box) and returns its loss."""
   kind, *extra = variant.split("+")  # "scan+KEY=VALUE": the scan row with more overrides
+  extra, options = split_options(extra)
   ov = list(base_overrides) + [f"model.mixer={mixer}"]
   if kind == "loop":
     ov.append("model.scan=false")
@@ -108,13 +113,14 @@ def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
   cfg = load_config(None, ov + extra)
   fn, state, batch = build(cfg, kind)
   t0 = time.perf_counter()
-  xla = fn.lower(state, batch).compile().cost_analysis()
+  exe = fn.lower(state, batch).compile(compiler_options=options or None)
   compile_s = time.perf_counter() - t0
+  xla = exe.cost_analysis()
   xla = xla[0] if isinstance(xla, (list, tuple)) else xla
   box = [state]
 
   def call():
-    box[0], metrics = fn(box[0], batch)
+    box[0], metrics = exe(box[0], batch)
     return metrics["loss"]
 
   jax.block_until_ready(call())  # the first call (the executable is cached by now)
@@ -126,6 +132,13 @@ def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
     "compile_s": round(compile_s, 2),
     "xla_gflop": round(float(xla.get("flops", float("nan"))) / 1e9, 2),
   }
+
+
+def split_options(overrides: list[str]) -> tuple[list[str], dict]:
+  """``(config overrides, XLA compiler options)``: ``KEY=VALUE`` items whose key starts with
+  ``xla_`` are compiler options (config keys are ``section.field``)."""
+  options = dict(o.split("=", 1) for o in overrides if o.startswith("xla_") and "=" in o)
+  return [o for o in overrides if not (o.startswith("xla_") and "=" in o)], options
 
 
 def timed(fn) -> float:
@@ -227,7 +240,7 @@ def main(argv=None) -> int:
   try:  # a bad --set is one clear message before anything runs
     load_config(None, base)
     for v in variants:
-      load_config(None, base + v.split("+")[1:])
+      load_config(None, base + split_options(v.split("+")[1:])[0])
   except ConfigError as e:
     print(f"error: --set: {e}", file=sys.stderr)
     return 2
