@@ -1,0 +1,58 @@
+"""benchmarks/step_bench.py and population_bench.py at toy size: bad input exits 2 before anything
+runs, and an ``xla_`` override reaches the row's compiler (an unknown option fails that row
+alone) while config overrides stay config overrides."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import population_bench  # noqa: E402
+import step_bench  # noqa: E402
+
+TOY = ["--width", "16", "--depth", "1", "--heads", "2", "--batch", "2", "--seq-len", "8"]
+
+
+def test_split_options_separates_xla_options_from_config_overrides():
+  over, opts = step_bench.split_options(
+    ["model.remat=full", "xla_cpu_prefer_vector_width=512", "xla_x=a=b"]
+  )
+  assert over == ["model.remat=full"]
+  assert opts == {"xla_cpu_prefer_vector_width": "512", "xla_x": "a=b"}
+
+
+@pytest.mark.parametrize(
+  "argv, msg",
+  [
+    (["--variants", "scan,fast"], "error: --variants: unknown ['fast']"),
+    (["--variants", "scan+model.remat=most"], "error: --set:"),
+    (["--set", "model.width=-1"], "error: --set:"),
+  ],
+)
+def test_step_bench_bad_input_exits_2(argv, msg, capsys):
+  assert step_bench.main(TOY + argv) == 2
+  assert msg in capsys.readouterr().err
+
+
+def test_population_bench_bad_modes_exit_2(capsys):
+  with pytest.raises(SystemExit) as e:
+    population_bench.main(["--modes", "vmap,pmap"])
+  assert e.value.code == 2
+  assert "--modes: expected a comma list of vmap, unroll" in capsys.readouterr().err
+
+
+def test_step_bench_xla_option_rows(tmp_path, capsys):
+  out = tmp_path / "rows.json"
+  variants = "scan,scan+xla_cpu_prefer_vector_width=128,scan+xla_no_such_option=1"
+  argv = TOY + ["--mixers", "residual", "--variants", variants, "--steps", "2", "--warmup", "1"]
+  assert step_bench.main(argv + ["--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "No such compile option: 'xla_no_such_option'" in text  # the option reached XLA
+  rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+  assert set(rows) == {"scan", "scan+xla_cpu_prefer_vector_width=128"}
+  assert all(len(r["times"]) == 2 and min(r["times"]) > 0 for r in rows.values())
+  assert "residual scan+xla_cpu_prefer_vector_width=128 / scan:" in text
