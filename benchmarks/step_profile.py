@@ -7,7 +7,8 @@ op (fusion, while loop, dot), with the op's place in the model from the HLO meta
         model.heads=4 data.seq_len=256 data.batch_size=8 model.vocab=256   # step_bench's shape
 
 The model is configs/quickstart.yaml at population_bench's shape (``--set`` overrides), trained
-by the project's own jitted step (``train.loop.SingleProgram``, diagnostics off) on one device.
+by the project's own jitted step (``train.loop.SingleProgram``, diagnostics off unless
+``--diag``) on one device.
 Prints the median step time of ``--steps`` timed steps after 3 warm-up ones, then the ``--top``
 ops by time per step: a ``while`` op's time includes the ops inside it (nested loops, such as
 the Sinkhorn iterations inside the scan over blocks, are listed again on their own).
@@ -54,6 +55,7 @@ def main() -> None:
   ap.add_argument("--mixer", default="mhc")
   ap.add_argument("--set", nargs="*", default=[], help="further config overrides (KEY=VALUE)")
   ap.add_argument("--steps", type=int, default=10)
+  ap.add_argument("--diag", action="store_true", help="the step with per-layer diagnostics on")
   ap.add_argument("--top", type=int, default=20)
   ap.add_argument(
     "--sum",
@@ -71,7 +73,7 @@ def main() -> None:
   batch = prog.batch(0)
 
   def step():
-    box[0], m = prog._step(box[0], batch, False)
+    box[0], m = prog._step(box[0], batch, args.diag)
     jax.block_until_ready(m["loss"])
 
   times = []
@@ -80,8 +82,10 @@ def main() -> None:
     step()
     if i >= 3:
       times.append(time.perf_counter() - t0)
-  print(f"{args.mixer}: median step {statistics.median(times) * 1e3:.1f} ms")
-  places = op_places(prog._step.lower(box[0], batch, False).compile().as_text())
+  print(
+    f"{args.mixer}{' (diagnostics on)' * args.diag}: median step {statistics.median(times) * 1e3:.1f} ms"
+  )
+  places = op_places(prog._step.lower(box[0], batch, args.diag).compile().as_text())
   traced = 5
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
