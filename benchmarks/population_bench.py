@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import jax
 import numpy as np
+from timing import round_robin, timed
 
 from mhc_jax.sweep import population
 from mhc_jax.train import sharding as sh
@@ -82,9 +82,7 @@ def main(argv=None) -> None:
   calls, compile_s = {}, {}
 
   def first_call(name, fn):
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    compile_s[name] = time.perf_counter() - t
+    compile_s[name] = timed(fn)
     calls[name] = fn
 
   # the population: one program per mode
@@ -120,13 +118,7 @@ def main(argv=None) -> None:
 
     first_call(f"run {i}", one_step)
 
-  times = {k: [] for k in calls}
-  for r in range(args.warmup + args.steps):
-    for k, fn in calls.items():
-      t = time.perf_counter()
-      jax.block_until_ready(fn())
-      if r >= args.warmup:
-        times[k].append(time.perf_counter() - t)
+  times = round_robin(calls, args.steps, args.warmup)
   runs = [k for k in calls if k.startswith("run ")]
   seq = [sum(times[k][r] for k in runs) for r in range(args.steps)]
   seq_compile = sum(compile_s[k] for k in runs)

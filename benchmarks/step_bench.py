@@ -43,7 +43,7 @@ import time
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from timing import median_time
+from timing import median_time, round_robin, timed
 
 from mhc_jax.errors import ConfigError
 from mhc_jax.model import Transformer
@@ -141,12 +141,6 @@ def split_options(overrides: list[str]) -> tuple[list[str], dict]:
   return [o for o in overrides if not (o.startswith("xla_") and "=" in o)], options
 
 
-def timed(fn) -> float:
-  t = time.perf_counter()
-  jax.block_until_ready(fn())
-  return time.perf_counter() - t
-
-
 def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -> list[dict]:
   """Time the rows round-robin: each round runs one step of every row, then the dense matmul
   ``rate_calls`` times. A row's step time is the median over rounds; its share of the matmul
@@ -154,15 +148,12 @@ def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -
   drifts or jumps during the run (this one's matmul rate moved 92-152 GFLOP/s between runs
   minutes apart) moves every row of a round together and leaves the ratios alone."""
   mm = matmul_fn()
-  for _ in range(warmup):
-    for r in rows:
-      timed(r["call"])
-  times = [[] for _ in rows]
-  rates = []
-  for _ in range(steps):
-    for i, r in enumerate(rows):
-      times[i].append(timed(r["call"]))
+  rates = []  # GFLOP/s of the dense matmul, one per round
+
+  def rate():
     rates.append(mm[1] / statistics.median(timed(mm[0]) for _ in range(rate_calls)) / 1e9)
+
+  times = list(round_robin(dict(enumerate(r["call"] for r in rows)), steps, warmup, rate).values())
   out = []
   for r, ts in zip(rows, times):
     b, t = r["cfg"].data.batch_size, r["cfg"].data.seq_len
