@@ -240,9 +240,10 @@ def test_a_writer_waits_for_the_latest_manifest(tmp_path):
   new = (tmp_path / "s" / "manifest.json").read_text()
   (tmp_path / "s" / "manifest.json").write_text(old)  # the stale view
 
-  def catch_up():
+  def catch_up():  # atomically, as the writer does: a reader never sees a half-written file
     time.sleep(0.4)
-    (tmp_path / "s" / "manifest.json").write_text(new)
+    (tmp_path / "s" / "manifest.tmp").write_text(new)
+    os.replace(tmp_path / "s" / "manifest.tmp", tmp_path / "s" / "manifest.json")
 
   threading.Thread(target=catch_up).start()
   t0 = time.time()
