@@ -25,6 +25,7 @@ import jax
 import numpy as np
 from timing import round_robin, timed
 
+from mhc_jax import hostmem
 from mhc_jax.sweep import population
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.config import load_config, with_overrides
@@ -142,4 +143,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

@@ -27,7 +27,9 @@ Every row is compiled first; then the rows are timed round-robin, ``--steps`` ro
 A row's time is its median over rounds; "of matmul" and every ratio are medians of the same
 round's figures, so the VM's speed drifting during the run (its matmul rate has moved 92-152
 GFLOP/s between runs minutes apart) cancels out of them. On the 2-core CPU the default run takes
-about 10 minutes; nothing else should run then.
+about 10 minutes; nothing else should run then. Each row also reports its median minor page
+faults per step: the benchmark re-executes itself with huge-page malloc as ``mhc-jax`` does
+(``mhc_jax/hostmem.py``); ``MHC_JAX_HUGEPAGES=0`` runs it without, for an A/B across processes.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -45,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from timing import median_time, round_robin, timed
 
+from mhc_jax import hostmem
 from mhc_jax.errors import ConfigError
 from mhc_jax.model import Transformer
 from mhc_jax.train.config import load_config
@@ -153,9 +157,21 @@ def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -
   def rate():
     rates.append(mm[1] / statistics.median(timed(mm[0]) for _ in range(rate_calls)) / 1e9)
 
-  times = list(round_robin(dict(enumerate(r["call"] for r in rows)), steps, warmup, rate).values())
+  faults = [[] for _ in rows]  # minor page faults per step (mhc_jax/hostmem.py)
+
+  def counted(i, call):
+    def fn():
+      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      out = jax.block_until_ready(call())
+      faults[i].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+      return out
+
+    return fn
+
+  calls = {i: counted(i, r["call"]) for i, r in enumerate(rows)}
+  times = list(round_robin(calls, steps, warmup, rate).values())
   out = []
-  for r, ts in zip(rows, times):
+  for r, ts, fl in zip(rows, times, faults):
     b, t = r["cfg"].data.batch_size, r["cfg"].data.seq_len
     flops = model_flops(r["cfg"], b * t, t)
     med = statistics.median(ts)
@@ -169,6 +185,7 @@ def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -
         "gflop_per_s": round(flops / med / 1e9, 2),
         "model_gflop": round(flops / 1e9, 2),
         "xla_gflop": r["xla_gflop"],
+        "page_faults": int(statistics.median(fl)),
         "matmul_gflop_per_s": round(statistics.median(rates), 1),
         "of_matmul_rate": round(
           statistics.median(flops / s / 1e9 / q for s, q in zip(ts, rates)), 3
@@ -236,7 +253,10 @@ def main(argv=None) -> int:
     print(f"error: --set: {e}", file=sys.stderr)
     return 2
   rate = matmul_rate()
-  print(f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
+  print(
+    f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  "
+    f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}"
+  )
   print(f"dense matmul (2048x1024 @ 1024x4096, f32): {rate:.1f} GFLOP/s at start")
   prepared = []
   for mixer in [m for m in args.mixers.split(",") if m]:
@@ -258,7 +278,8 @@ def main(argv=None) -> int:
     print(
       f"{row['mixer']:>14} {row['variant']:>5}  step {row['step_s']:.3f} s  "
       f"{row['tokens_per_s']:>9.0f} tok/s  {row['gflop_per_s']:6.1f} GFLOP/s "
-      f"({100 * row['of_matmul_rate']:.0f}% of matmul)  compile {row['compile_s']:.1f} s",
+      f"({100 * row['of_matmul_rate']:.0f}% of matmul)  compile {row['compile_s']:.1f} s  "
+      f"{row['page_faults']} page faults/step",
       flush=True,
     )
   print(
@@ -288,4 +309,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   sys.exit(main())

@@ -28,6 +28,7 @@ import time
 
 import jax
 
+from mhc_jax import hostmem
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import SingleProgram, prepare
 
@@ -109,4 +110,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mhc_jax import hostmem
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -125,4 +127,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   sys.exit(main())
