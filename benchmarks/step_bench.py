@@ -28,7 +28,7 @@ A row's time is its median over rounds; "of matmul" and every ratio are medians 
 round's figures, so the VM's speed drifting during the run (its matmul rate has moved 92-152
 GFLOP/s between runs minutes apart) cancels out of them. On the 2-core CPU the default run takes
 about 10 minutes; nothing else should run then. Each row also reports its median minor page
-faults per step: the benchmark re-executes itself with huge-page malloc as ``mhc-jax`` does
+faults and kernel (system) CPU seconds per step: the benchmark re-executes itself with huge-page malloc as ``mhc-jax`` does
 (``mhc_jax/hostmem.py``); ``MHC_JAX_HUGEPAGES=0`` runs it without, for an A/B across processes.
 """
 
@@ -157,13 +157,14 @@ def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -
   def rate():
     rates.append(mm[1] / statistics.median(timed(mm[0]) for _ in range(rate_calls)) / 1e9)
 
-  faults = [[] for _ in rows]  # minor page faults per step (mhc_jax/hostmem.py)
+  faults = [[] for _ in rows]  # (minor page faults, kernel seconds) per step (mhc_jax/hostmem.py)
 
   def counted(i, call):
     def fn():
-      f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+      r0 = resource.getrusage(resource.RUSAGE_SELF)
       out = jax.block_until_ready(call())
-      faults[i].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+      r1 = resource.getrusage(resource.RUSAGE_SELF)
+      faults[i].append((r1.ru_minflt - r0.ru_minflt, r1.ru_stime - r0.ru_stime))
       return out
 
     return fn
@@ -185,7 +186,8 @@ def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -
         "gflop_per_s": round(flops / med / 1e9, 2),
         "model_gflop": round(flops / 1e9, 2),
         "xla_gflop": r["xla_gflop"],
-        "page_faults": int(statistics.median(fl)),
+        "page_faults": int(statistics.median(f for f, _ in fl)),
+        "kernel_s": round(statistics.median(k for _, k in fl), 3),
         "matmul_gflop_per_s": round(statistics.median(rates), 1),
         "of_matmul_rate": round(
           statistics.median(flops / s / 1e9 / q for s, q in zip(ts, rates)), 3
@@ -279,7 +281,7 @@ def main(argv=None) -> int:
       f"{row['mixer']:>14} {row['variant']:>5}  step {row['step_s']:.3f} s  "
       f"{row['tokens_per_s']:>9.0f} tok/s  {row['gflop_per_s']:6.1f} GFLOP/s "
       f"({100 * row['of_matmul_rate']:.0f}% of matmul)  compile {row['compile_s']:.1f} s  "
-      f"{row['page_faults']} page faults/step",
+      f"{row['page_faults']} page faults, {row['kernel_s']:.2f} s in the kernel a step",
       flush=True,
     )
   print(
