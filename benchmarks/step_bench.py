@@ -28,8 +28,9 @@ A row's time is its median over rounds; "of matmul" and every ratio are medians 
 round's figures, so the VM's speed drifting during the run (its matmul rate has moved 92-152
 GFLOP/s between runs minutes apart) cancels out of them. On the 2-core CPU the default run takes
 about 10 minutes; nothing else should run then. Each row also reports its median minor page
-faults and kernel (system) CPU seconds per step: the benchmark re-executes itself with huge-page malloc as ``mhc-jax`` does
-(``mhc_jax/hostmem.py``); ``MHC_JAX_HUGEPAGES=0`` runs it without, for an A/B across processes.
+faults and kernel (system) CPU seconds per step (warm-up rounds included). The benchmark
+re-executes itself with huge-page malloc as ``mhc-jax`` does (``mhc_jax/hostmem.py``);
+``MHC_JAX_HUGEPAGES=0`` runs it without, for an A/B across processes.
 """
 
 from __future__ import annotations

@@ -4,16 +4,16 @@ XLA's CPU runtime mallocs each execution's temporary buffer (every intermediate 
 and each large output afresh. glibc serves a request that large with a new ``mmap`` and
 unmaps it on ``free``, so every step faults the whole buffer in again, 4 KiB at a time: at
 step_bench's shape (width 256, 8 blocks, 2048 tokens) the residual step's 220 MB temp buffer
-cost 56,185 minor faults per step, the mhc step's 94,600. glibc's tunable
+cost 56,185 minor faults per step, the mhc step's ~94,500. glibc's tunable
 ``glibc.malloc.hugetlb=1`` makes malloc ask the kernel for transparent huge pages
 (``madvise``) on such mappings: ~490 faults per step, and 0.10 s less kernel CPU time (mhc:
-0.14 s), about 5% of the step's CPU time (README, "Train-step speed": the measurement and its
-command). Arithmetic is unchanged: the same
-losses bit for bit.
+0.14 s), about 4% of the two cores' time over the step (README, "Train-step speed": the
+measurement and its command). Arithmetic is unchanged: the same losses bit for bit.
 
 The tunable is read when the process starts, so :func:`ensure` re-executes the same command
 (``sys.orig_argv``: same PID, same arguments) with it added to ``GLIBC_TUNABLES`` when it is
-missing. Only programs call it (``mhc-jax``, the benchmarks), before they import jax; child
+missing. Only programs call it (``mhc-jax``, the benchmarks), before they write anything or
+run jax; child
 processes (sweep workers, ``jax.distributed`` ranks) inherit the variable. It does nothing
 off Linux/glibc, where the kernel's THP mode is ``always`` (every mapping already gets huge
 pages) or ``never`` (none can), or with ``MHC_JAX_HUGEPAGES=0``.

@@ -82,12 +82,31 @@ def test_ensure_reexecutes_the_same_process_with_the_tunable():
   assert off.returncode == 0 and off.stderr.count("pid ") == 1 and off.stdout.strip() == "x=1"
 
 
+@needs_thp
 def test_the_cli_reexecutes_only_as_a_program():
-  code = "from mhc_jax import cli; cli.main(['--help'])"
-  p = subprocess.run(
-    [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
+  code = "import os, sys; print('pid', os.getpid(), file=sys.stderr, flush=True)\n"
+  called = subprocess.run(  # cli.main with an argv list (tests, scripts): never re-executes
+    [sys.executable, "-c", code + "from mhc_jax import cli; cli.main(['--help'])"],
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=60,
   )
-  assert p.returncode == 0 and "usage" in p.stdout  # an argv list: no re-exec, no loop
+  assert called.returncode == 0 and "usage" in called.stdout
+  assert called.stderr.count("pid ") == 1, called.stderr
+  run = subprocess.run(  # run as the program (argv from the command line): re-executes once
+    [
+      sys.executable,
+      "-c",
+      code + "import sys; sys.argv = ['mhc-jax', '--help']\nfrom mhc_jax import cli; cli.main()",
+    ],
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert run.returncode == 0 and "usage" in run.stdout
+  assert run.stderr.count("pid ") == 2, run.stderr
 
 
 # A 64 MiB output per call: glibc maps it afresh each time and the first touch faults it in.
