@@ -141,8 +141,11 @@ def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
 
 def split_options(overrides: list[str]) -> tuple[list[str], dict]:
   """``(config overrides, XLA compiler options)``: ``KEY=VALUE`` items whose key starts with
-  ``xla_`` are compiler options (config keys are ``section.field``)."""
+  ``xla_`` are compiler options (config keys are ``section.field``); ``true`` / ``false``
+  become booleans (XLA rejects a bool option given as a string)."""
   options = dict(o.split("=", 1) for o in overrides if o.startswith("xla_") and "=" in o)
+  bools = {"true": True, "false": False}
+  options = {k: bools.get(v.lower(), v) for k, v in options.items()}
   return [o for o in overrides if not (o.startswith("xla_") and "=" in o)], options
 
 

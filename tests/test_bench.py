@@ -19,10 +19,10 @@ TOY = ["--width", "16", "--depth", "1", "--heads", "2", "--batch", "2", "--seq-l
 
 def test_split_options_separates_xla_options_from_config_overrides():
   over, opts = step_bench.split_options(
-    ["model.remat=full", "xla_cpu_prefer_vector_width=512", "xla_x=a=b"]
+    ["model.remat=full", "xla_cpu_prefer_vector_width=512", "xla_x=a=b", "xla_y=False"]
   )
   assert over == ["model.remat=full"]
-  assert opts == {"xla_cpu_prefer_vector_width": "512", "xla_x": "a=b"}
+  assert opts == {"xla_cpu_prefer_vector_width": "512", "xla_x": "a=b", "xla_y": False}
 
 
 @pytest.mark.parametrize(
