@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax
@@ -22,8 +23,19 @@ class State:
 
 def abstract_boxed(model, example_tokens, tx):
   """Shapes (with logical-axis boxes) of the parameters and the optimiser state."""
-  params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), example_tokens))
+  params = param_shapes(model, jax.ShapeDtypeStruct(example_tokens.shape, example_tokens.dtype))
   return params, jax.eval_shape(tx.init, params)
+
+
+@functools.lru_cache(maxsize=64)
+def param_shapes(model, tokens: jax.ShapeDtypeStruct):
+  """The boxed parameter shapes of ``model.init`` on tokens of that shape, traced once per
+  (model, shape) in a process: a run traces the init for its checks, its shardings and its
+  restore target, and a sweep's runs mostly share models (an lr grid: one). Flax modules hash
+  by their fields (the config), so an equal model is a hit."""
+  return jax.eval_shape(
+    lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(tokens.shape, tokens.dtype))
+  )
 
 
 def state_shardings(model, example_tokens, tx, mesh) -> State:
