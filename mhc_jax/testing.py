@@ -11,8 +11,8 @@ over every registered name. Each check raises ``AssertionError`` (via chex) on a
 - ``check_stream_separation``: a multi-stream mixer's streams differ after a few optimiser steps
   (identical streams make any stream mixing a no-op: a single-stream residual in disguise).
 
-``fast_compile()``: a context in which XLA compiles with most optimisations off (tests whose
-tiny runs are mostly compilation).
+``xla_optimizations(on)``: a context in which XLA compiles with its optimisations on or
+(most of them) off; the test session runs with them off (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ B, T, C = 2, 5, 8
 
 
 @contextlib.contextmanager
-def fast_compile():
-  """XLA without most optimisations inside the block (``jax_disable_most_optimizations``):
-  ~30% less compile time, which is most of a tiny run; the previous setting is restored."""
+def xla_optimizations(on: bool):
+  """XLA with (``on``) or without most optimisations (``jax_disable_most_optimizations``)
+  inside the block; the previous setting is restored. Off: a fraction of the compile time,
+  which is most of a tiny run; on: the program a run compiles."""
   old = jax.config.read("jax_disable_most_optimizations")
-  jax.config.update("jax_disable_most_optimizations", True)
+  jax.config.update("jax_disable_most_optimizations", not on)
   try:
     yield
   finally:

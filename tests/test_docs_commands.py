@@ -172,7 +172,7 @@ def _eval_pairs() -> list[tuple[str, str, str]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where,train,evaluate", _eval_pairs(), ids=[p[0] for p in _eval_pairs()])
-def test_documented_eval_commands_run(where, train, evaluate, workdir, capsys, fast_compile):
+def test_documented_eval_commands_run(where, train, evaluate, workdir, capsys):
   """Each header's eval command on the run its train command makes (trained for 2 steps)."""
   argv = argv_of(train, workdir) + [
     "--quiet",

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mhc_jax import cli, testing
+from mhc_jax import cli
 from mhc_jax.train import config as C
 from mhc_jax.train.loop import prepare, train
 
@@ -33,8 +33,7 @@ def _train(run_dir, overrides=()):
 def bijection_run(tmp_path_factory):
 
   run = tmp_path_factory.mktemp("evalrun") / "run"
-  with testing.fast_compile():
-    _train(run, ["train.steps=5", "train.ckpt_every=1", "train.keep_ckpts=5"])
+  _train(run, ["train.steps=5", "train.ckpt_every=1", "train.keep_ckpts=5"])
   return run
 
 
@@ -42,7 +41,7 @@ def _finite(x):
   return isinstance(x, float) and math.isfinite(x)
 
 
-def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys, fast_compile):
+def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys):
   assert cli.main(["eval", "--run", str(bijection_run), "--batches", "2"]) == 0
   out = capsys.readouterr().out
   assert "KL" in out and "eval.json" in out
@@ -111,7 +110,7 @@ def test_eval_bad_run_exits_2(tmp_path, capsys, bijection_run):
   assert err.startswith("error: ") and "--batches" in err and len(err.strip().splitlines()) == 1
 
 
-def test_eval_text_run_reports_bits_per_byte(tmp_path, capsys, fast_compile):
+def test_eval_text_run_reports_bits_per_byte(tmp_path, capsys):
   corpus = tmp_path / "corpus.txt"
   corpus.write_bytes(bytes(range(32, 127)) * 40)
   run = tmp_path / "run"
@@ -134,7 +133,7 @@ def test_eval_text_run_reports_bits_per_byte(tmp_path, capsys, fast_compile):
   assert "bits/byte" in capsys.readouterr().out
 
 
-def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys, fast_compile):
+def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys):
   """HMM filtering: the baselines and the filtering verdict are printed and in eval.json; and
   (issue 12, defect 3) model.vocab may exceed the data's vocabulary (the posterior is padded)."""
   run = tmp_path / "run"
@@ -168,7 +167,7 @@ def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys, f
   assert r["probes"]["drift"]["skipped"].startswith("needs 5+ checkpoints")
 
 
-def test_sweep_posteval_fills_eval_json_once(bijection_run, tmp_path, fast_compile):
+def test_sweep_posteval_fills_eval_json_once(bijection_run, tmp_path):
   """A sweep's `eval: N`: every done run with a checkpoint gets eval.json (its probe columns reach
   the report), a failing run is reported, not fatal, and a second pass evaluates nothing."""
   import shutil

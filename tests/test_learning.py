@@ -4,6 +4,8 @@ header (smoke test: the model uses the observations).
 
 The step is `train.step.make_train_step` jitted on one device (no mesh: the 8 simulated test
 devices would only slow a model this small down); batches and metrics are the project's own.
+Both tests train for hundreds of steps, so they compile with XLA's optimisations (``optimized``:
+without them each takes twice as long).
 """
 
 import flax.linen as nn
@@ -84,7 +86,7 @@ def train_and_measure(overrides, eval_batches=4):
 
 
 @pytest.mark.slow  # ~40 s on a free 2-core machine
-def test_bijection_kl_falls_far_below_uniform_guess():
+def test_bijection_kl_falls_far_below_uniform_guess(optimized):
   kl0, kl1, uni, _ = train_and_measure(
     [
       "data.task=bijection",
@@ -106,7 +108,7 @@ def test_bijection_kl_falls_far_below_uniform_guess():
 
 
 @pytest.mark.slow  # ~50 s on a free 2-core machine; 200 steps of a smaller model learn nothing
-def test_hmm_filtering_kl_far_below_header_only_guess():
+def test_hmm_filtering_kl_far_below_header_only_guess(optimized):
   """The model reads the observations, not just the header (the full run in
   docs/windtunnel_results.md also beats the last-observation guess)."""
   kl0, kl1, uni, base = train_and_measure(

@@ -57,7 +57,7 @@ def _separation_cases():
 
 
 @pytest.mark.parametrize("name,opts", _separation_cases())
-def test_streams_separate_under_training(name, opts, fast_compile):
+def test_streams_separate_under_training(name, opts):
   """The contract's stream-separation check, for every mixer and every h_res_init."""
   testing.check_stream_separation(name, **opts)
 
@@ -70,7 +70,7 @@ def test_streams_separate_under_training(name, opts, fast_compile):
     {"dynamic": False, "h_res_init": "uniform"},  # static J/n mixing, equal writes: symmetric
   ],
 )
-def test_stream_separation_check_fails_on_symmetric_mixer(opts, fast_compile):
+def test_stream_separation_check_fails_on_symmetric_mixer(opts):
   """Deliberately symmetric mHC configurations: nothing tells the streams apart."""
   with pytest.raises(AssertionError, match="streams stay"):
     testing.check_stream_separation("mhc", **opts)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from mhc_jax import logs, testing
+from mhc_jax import logs
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import prepare, train
 
@@ -57,7 +57,7 @@ def flat(recs, key):
 
 def launch(tmp_path, *args) -> subprocess.Popen:
   env = dict(os.environ)
-  env.pop("XLA_FLAGS", None)  # the script sets the device count of each process
+  # XLA_FLAGS kept: the script replaces only its device count
   env.update(
     JAX_PLATFORMS="cpu",
     MHC_DEVICES_PER_PROCESS="2",
@@ -116,12 +116,11 @@ def test_two_processes_train_like_one_and_resume_after_sigterm(tmp_path):
 
     proc = launch(tmp_path, "--out", str(run), "--resume")
     # meanwhile, the reference: one process, the same 4 devices as one (1, 2, 2) mesh
-    with testing.fast_compile():
-      train(
-        prepare(load_config(DEBUG, OVERRIDES), devices=jax.devices()[:4]),
-        tmp_path / "one",
-        progress=False,
-      )
+    train(
+      prepare(load_config(DEBUG, OVERRIDES), devices=jax.devices()[:4]),
+      tmp_path / "one",
+      progress=False,
+    )
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
   finally:

@@ -22,7 +22,7 @@ import pytest
 import yaml
 from test_sweep import _shared_dir
 
-from mhc_jax import cli, logs, testing
+from mhc_jax import cli, logs
 from mhc_jax.sweep import grid, population
 from mhc_jax.train.config import ConfigError
 
@@ -86,8 +86,7 @@ def sweeps(tmp_path_factory):
   with open(root / "lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not (root / "record.json").exists():
-      with testing.fast_compile():  # tiny runs: mostly compiling
-        rec = _build(root)
+      rec = _build(root)
       (root / "record.json").write_text(json.dumps(rec))
     rec = json.loads((root / "record.json").read_text())
   assert {k: rec[k] for k in ("pop", "sep", "bad", "pop_resume")} == dict.fromkeys(
@@ -182,7 +181,7 @@ def test_members_must_share_everything_but_the_population_keys(tmp_path):
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_unrolled_population_steps_like_the_vmapped_one(stacked, fast_compile):
+def test_unrolled_population_steps_like_the_vmapped_one(stacked):
   """``train.population_mode=unroll`` (one step per member in the program) against ``vmap``:
   the same states, metrics (with diagnostics) and eval after 2 steps, shared and stacked
   batches, an inactive member frozen in both; the unrolled program has a step per member."""

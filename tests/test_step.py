@@ -51,7 +51,7 @@ MIXERS = [("mhc", "{n: 4}"), ("value_residual", "{}")]  # an array state, a pytr
 
 
 @pytest.mark.parametrize("mixer,opts", MIXERS)
-def test_diag_grad_rms_is_the_rms_of_dloss_dstate(mixer, opts, fast_compile):
+def test_diag_grad_rms_is_the_rms_of_dloss_dstate(mixer, opts):
   """The step's per-layer ``grad_rms`` (from squared-norm taps) and the RMS of dLoss/d(state)
   from full zero probes (autodiff), for array and pytree states."""
   model, cfg, batch, step, state = _tiny_step(mixer, opts)

@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from mhc_jax import logs, testing
+from mhc_jax import logs
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import prepare, train
 from mhc_jax.train.optim import make_schedule
@@ -55,7 +55,7 @@ def restore_state(run_dir, step: int) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mixer", list(MIXER_OPTIONS))
-def test_same_loss_curve_on_every_mesh_as_on_one_device(mixer, tmp_path, fast_compile):
+def test_same_loss_curve_on_every_mesh_as_on_one_device(mixer, tmp_path):
   assert len(jax.devices()) == 8, "conftest.py gives the session 8 simulated CPU devices"
   base = [f"model.mixer={mixer}", f"model.mixer_options={json.dumps(MIXER_OPTIONS[mixer])}"]
   one = tiny(*base, "mesh.data=1")
@@ -97,8 +97,7 @@ def skip_run(tmp_path_factory):
     "train.keep_ckpts=3",
     "mesh.data=1",
   )
-  with testing.fast_compile():
-    summary = train(prepare(cfg, devices=jax.devices()[:1]), run, progress=False)
+  summary = train(prepare(cfg, devices=jax.devices()[:1]), run, progress=False)
   return cfg, run, summary
 
 
@@ -164,7 +163,7 @@ def test_logged_lr_is_the_lr_of_the_update_after_a_skipped_step(skip_run):
 
 
 def test_resume_restores_into_the_shards_without_a_fresh_state_and_replaces_summary(
-  tmp_path, monkeypatch, fast_compile
+  tmp_path, monkeypatch
 ):
   """Defects: resuming built a whole fresh state before restoring (twice the memory), and
   summary.json was rewritten in place (a reader could see half a file)."""

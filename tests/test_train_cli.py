@@ -377,7 +377,7 @@ def test_bad_config_exit_status_of_the_program(tmp_path):
 # --------------------------------------------------------------------------- halt: exit 3
 
 
-def test_nonfinite_halt_exit_3_with_checkpoint(tmp_path, capsys, fast_compile):
+def test_nonfinite_halt_exit_3_with_checkpoint(tmp_path, capsys):
   run = tmp_path / "run"
   rc, out, err = run_cli(
     capsys,
@@ -415,7 +415,7 @@ def test_nonfinite_halt_exit_3_with_checkpoint(tmp_path, capsys, fast_compile):
   jax.tree.map(np.testing.assert_array_equal, halted["opt_state"], before["opt_state"])
 
 
-def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys, fast_compile):
+def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys):
   """Defect: --resume on a finished run rewrote summary.json with final_loss NaN."""
   run = tmp_path / "run"
   rc, _, err = run_cli(
@@ -431,7 +431,7 @@ def test_resume_of_a_finished_run_changes_nothing(tmp_path, capsys, fast_compile
   assert snapshot(run) == before
 
 
-def test_halt_on_divergence_logs_every_update_it_applied(tmp_path, capsys, fast_compile):
+def test_halt_on_divergence_logs_every_update_it_applied(tmp_path, capsys):
   """Defects: the divergence rule never saw non-finite losses; and a halt seen one step late
   (the host logs one step behind the device) applied an update it never logged, so the
   checkpoint was one step past the logs. lr 1e30: every update from step 2 on is non-finite
@@ -490,7 +490,7 @@ def documented_metric_names() -> set[str]:
 
 
 @pytest.mark.slow
-def test_quickstart_logs_every_documented_metric(tmp_path, capsys, fast_compile):
+def test_quickstart_logs_every_documented_metric(tmp_path, capsys):
   names = documented_metric_names()
   assert {"loss", "grad_norm", "gain_fwd", "amax_fwd_composite", "eval/kl_bits"} <= names
   run = tmp_path / "qs"

@@ -173,7 +173,7 @@ def logits(cfg):
     ("attnres", {}, 1e-4),  # w = 0: uniform means, equal to the sum after the pre-norm
   ],
 )
-def test_starts_as_a_prenorm_residual(mixer, opts, atol, fast_compile):
+def test_starts_as_a_prenorm_residual(mixer, opts, atol):
   """Both papers' initialisation: the model equals the plain pre-norm residual Transformer with
   the same non-mixer parameters (the residual model ignores the mixer parameters)."""
   cfg = cfg_for(mixer, **opts)
@@ -185,7 +185,7 @@ def test_starts_as_a_prenorm_residual(mixer, opts, atol, fast_compile):
 @pytest.mark.parametrize(
   "mixer,opts", [("denseformer", {"dilation": 2}), ("attnres", {"block_size": 3})]
 )
-def test_scan_equals_loop_perturbed(mixer, opts, fast_compile):
+def test_scan_equals_loop_perturbed(mixer, opts):
   """Traced layer index under nn.scan == Python ints in a loop, away from the init."""
   cfg = cfg_for(mixer, **opts)
   p = testing.perturb(init(cfg), jax.random.PRNGKey(3), 0.3)

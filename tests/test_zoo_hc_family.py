@@ -174,7 +174,7 @@ def test_mhc_identity_matches_numpy_reference(opts):
   assert float(stats["sinkhorn_err"]) == 0.0
 
 
-def test_mhc_identity_static_streams_separate(fast_compile):
+def test_mhc_identity_static_streams_separate():
   """Static (one-hot read, no φ): only the downstream reads tell the streams apart."""
   testing.check_stream_separation("mhc_identity", dynamic=False)
 

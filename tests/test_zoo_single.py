@@ -130,7 +130,7 @@ def _init(cfg, seed=0):
   )["params"]
 
 
-def test_deepnorm_scales_only_the_output_projections_by_beta(fast_compile):
+def test_deepnorm_scales_only_the_output_projections_by_beta():
   """Same seed: deepnorm's attn/out and mlp/down kernels are β times post_ln's, the rest equal."""
   deep, post = _init(_model_cfg("deepnorm")), _init(_model_cfg("post_ln"))
   beta = (8 * 2) ** -0.25
@@ -251,7 +251,7 @@ def _forward(cfg, params, tokens):
   return jax.jit(Transformer(cfg).apply)({"params": params}, tokens)[0]
 
 
-def test_value_residual_in_the_model(fast_compile):
+def test_value_residual_in_the_model():
   """λ1 = 0, λ2 = 1 is exactly the residual model; the default mix changes the logits."""
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 8), 0, 16)
   params = _init(_model_cfg("residual"))

@@ -128,7 +128,7 @@ class KromHC(ManifoldHyperConnection):
     for f in self.factor_sizes():
       k = math.factorial(f)
       # jax.nn.softmax shifts by a stop-gradient max: the gradient of jnp.max selects the
-      # entries equal to the max, and XLA without optimisations (tests' fast_compile) can
+      # entries equal to the max, and XLA without optimisations (the test session's setting) can
       # recompute z with different rounding, find none, and divide 0 by 0 (NaN gradients).
       a = jax.nn.softmax(z_res[..., start : start + k], axis=-1)
       start += k
