@@ -528,11 +528,13 @@ def test_quickstart_logs_every_documented_metric(tmp_path, capsys):
 
 
 def _env(cache_dir=None) -> dict:
-  """One CPU device; with `cache_dir`, a persistent compilation cache the runs share."""
+  """One CPU device (the session's other XLA flags kept); with `cache_dir`, a persistent
+  compilation cache the runs share."""
   env = dict(os.environ)
+  flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", env.get("XLA_FLAGS", ""))
   env.update(
     JAX_PLATFORMS="cpu",
-    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    XLA_FLAGS=f"{flags} --xla_force_host_platform_device_count=1".strip(),
     JAX_DISABLE_MOST_OPTIMIZATIONS="1",
   )
   if cache_dir is not None:
