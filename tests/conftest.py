@@ -5,8 +5,8 @@ The suite compiles hundreds of tiny programs and runs most of them a few steps, 
 compile is most of its time. The session (and every subprocess and notebook kernel, through
 the environment) compiles without most optimisations (``jax_disable_most_optimizations``) and
 with XLA's element-wise emitters instead of its MLIR fusion emitters: an mhc train step's
-compile 6.7 s -> 2.8 s (README, "make test"). A test whose claim is about the optimised program, or that runs
-enough steps for its speed to matter, takes the ``optimized`` fixture.
+compile 6.7 s -> 2.8 s (README, "make test"). A test whose claim is about the optimised
+program, or that runs enough steps for its speed to matter, takes the ``optimized`` fixture.
 
 The cache is shared by the xdist workers and every subprocess they start (``mhc-jax train``,
 sweep workers, the multi-process tests): the suite compiles the same tiny programs in many

@@ -20,6 +20,13 @@ def _env(**extra):
   return {**env, **extra}
 
 
+def _python(code: str, timeout: float = 60, **env) -> subprocess.CompletedProcess:
+  """``python -c code`` without the tunable or the opt-out set (``env`` added)."""
+  return subprocess.run(
+    [sys.executable, "-c", code], env=_env(**env), capture_output=True, text=True, timeout=timeout
+  )
+
+
 def test_thp_mode_reads_the_bracketed_choice(tmp_path):
   f = tmp_path / "enabled"
   f.write_text("always [madvise] never\n")
@@ -65,45 +72,25 @@ def test_ensure_reexecutes_the_same_process_with_the_tunable():
     print(os.environ["GLIBC_TUNABLES"])
     """
   )
-  p = subprocess.run(
-    [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=60
-  )
+  p = _python(code)
   assert p.returncode == 0, p.stderr
   pids = [line for line in p.stderr.splitlines() if line.startswith("pid ")]
   assert len(pids) == 2 and pids[0] == pids[1], p.stderr  # ran again, in the same process
   assert p.stdout.strip() == ON
-  off = subprocess.run(
-    [sys.executable, "-c", code],
-    env=_env(MHC_JAX_HUGEPAGES="0", GLIBC_TUNABLES="x=1"),
-    capture_output=True,
-    text=True,
-    timeout=60,
-  )
+  off = _python(code, MHC_JAX_HUGEPAGES="0", GLIBC_TUNABLES="x=1")
   assert off.returncode == 0 and off.stderr.count("pid ") == 1 and off.stdout.strip() == "x=1"
 
 
 @needs_thp
 def test_the_cli_reexecutes_only_as_a_program():
   code = "import os, sys; print('pid', os.getpid(), file=sys.stderr, flush=True)\n"
-  called = subprocess.run(  # cli.main with an argv list (tests, scripts): never re-executes
-    [sys.executable, "-c", code + "from mhc_jax import cli; cli.main(['--help'])"],
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=60,
-  )
+  # cli.main with an argv list (tests, scripts): never re-executes
+  called = _python(code + "from mhc_jax import cli; cli.main(['--help'])")
   assert called.returncode == 0 and "usage" in called.stdout
   assert called.stderr.count("pid ") == 1, called.stderr
-  run = subprocess.run(  # run as the program (argv from the command line): re-executes once
-    [
-      sys.executable,
-      "-c",
-      code + "import sys; sys.argv = ['mhc-jax', '--help']\nfrom mhc_jax import cli; cli.main()",
-    ],
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=60,
+  # run as the program (argv from the command line): re-executes once
+  run = _python(
+    code + "import sys; sys.argv = ['mhc-jax', '--help']\nfrom mhc_jax import cli; cli.main()"
   )
   assert run.returncode == 0 and "usage" in run.stdout
   assert run.stderr.count("pid ") == 2, run.stderr
@@ -130,13 +117,7 @@ FAULTS = textwrap.dedent(
 @needs_thp
 def test_huge_pages_cut_the_page_faults_of_a_large_buffer():
   def faults(**env):
-    p = subprocess.run(
-      [sys.executable, "-c", FAULTS],
-      env=_env(JAX_PLATFORMS="cpu", **env),
-      capture_output=True,
-      text=True,
-      timeout=120,
-    )
+    p = _python(FAULTS, timeout=120, JAX_PLATFORMS="cpu", **env)
     assert p.returncode == 0, p.stderr
     return int(p.stdout.split()[-1])
 
