@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 
 from mhc_jax.data import make_source
-from mhc_jax.data.windtunnel import BijectionTask, HMMTask, bijection_posterior, hmm_forward
+from mhc_jax.data.windtunnel import (
+  SPLITS,
+  BijectionTask,
+  HMMTask,
+  bijection_posterior,
+  hmm_forward,
+)
 
 
 def _tokens(batch, b):
@@ -81,6 +87,18 @@ def test_bijection_entropy_follows_evidence_not_position():
       seen.add(k)
   # with replacement, the same position carries different entropies across sequences
   assert np.unique(np.round(b["entropy"][:, 9], 4)).size > 1
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**31 + 5, 2**32 + 3])
+def test_batch_key_is_the_documented_fold_in(seed):
+  """Batch ``step`` of ``split`` draws from ``fold_in(fold_in(key(seed), split), step)`` (every
+  run's data depends on it), for any seed ``jax.random.key`` takes (also past 32 bits)."""
+  src = BijectionTask(seq_len=16, seed=seed, n_symbols=4)
+  for split in ("train", "validation"):
+    for step in (0, 3, 2**31 - 1):
+      want = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), SPLITS[split]), step)
+      got = src.key_for(step, split)
+      np.testing.assert_array_equal(jax.random.key_data(got), jax.random.key_data(want))
 
 
 def test_bijection_fresh_problem_per_sequence_deterministic_and_jittable():
