@@ -4,8 +4,9 @@ header (smoke test: the model uses the observations).
 
 The step is `train.step.make_train_step` jitted on one device (no mesh: the 8 simulated test
 devices would only slow a model this small down); batches and metrics are the project's own.
-Both tests train for hundreds of steps, so they compile with XLA's optimisations (``optimized``:
-without them each takes twice as long).
+Both tests train for hundreds of steps, so their train step and logits compile with XLA's
+optimisations (without them each test takes twice as long); the session's other programs (the
+data's and the metrics' eager ops, ~70 tiny ones) compile without, as everywhere in the suite.
 """
 
 import flax.linen as nn
@@ -16,6 +17,7 @@ import pytest
 
 from mhc_jax import posterior
 from mhc_jax.model import Transformer
+from mhc_jax.testing import xla_optimizations
 from mhc_jax.train import config as C
 from mhc_jax.train.loop import prepare
 from mhc_jax.train.optim import make_optimizer
@@ -42,21 +44,29 @@ def train_and_measure(overrides, eval_batches=4):
   cfg, source = setup.cfg, setup.source
   model = Transformer(cfg.model)
   tx, sched = make_optimizer(cfg.optim, cfg.train.steps)
-  params = nn.meta.unbox(
-    model.init(jax.random.PRNGKey(cfg.train.seed), jnp.zeros((1, cfg.data.seq_len), jnp.int32))
-  )
-  state = State(
-    step=jnp.zeros((), jnp.int32),
-    params=params,
-    opt_state=tx.init(params),
-    nonfinite=jnp.zeros((), jnp.int32),
-  )
-  step = jax.jit(make_train_step(model, tx, sched, cfg), static_argnums=2, donate_argnums=0)
-  logits_fn = jax.jit(lambda p, x: model.apply(p, x)[0])
+
+  @jax.jit  # one program: op by op, the scanned model's init took ~2 s
+  def init(key):
+    params = nn.meta.unbox(model.init(key, jnp.zeros((1, cfg.data.seq_len), jnp.int32)))
+    zero = jnp.zeros((), jnp.int32)
+    return State(step=zero, params=params, opt_state=tx.init(params), nonfinite=zero)
+
+  state = init(jax.random.PRNGKey(cfg.train.seed))
+  params = state.params
   val = [
     {k: v for k, v in source.batch(i, cfg.data.batch_size, "validation").items() if k in KEYS}
     for i in range(eval_batches)
   ]
+  train_batch = lambda i: {
+    k: v for k, v in source.batch(i, cfg.data.batch_size).items() if k in KEYS
+  }
+  with xla_optimizations(True):  # the two programs run a thousand times: as a run compiles them
+    step = (
+      jax.jit(make_train_step(model, tx, sched, cfg), static_argnums=2, donate_argnums=0)
+      .lower(state, train_batch(0), False)
+      .compile()
+    )
+    logits_fn = jax.jit(lambda p, x: model.apply(p, x)[0]).lower(params, val[0]["inputs"]).compile()
 
   def kl(params):
     return float(
@@ -76,8 +86,7 @@ def train_and_measure(overrides, eval_batches=4):
         base.setdefault(name, []).append(float((v * b["mask"]).sum() / b["mask"].sum()))
     base = {k: float(np.mean(v)) for k, v in base.items()}
   for i in range(cfg.train.steps):
-    b = {k: v for k, v in source.batch(i, cfg.data.batch_size).items() if k in KEYS}
-    state, m = step(state, b, False)
+    state, m = step(state, train_batch(i))
   assert int(state.nonfinite) == 0 and np.isfinite(float(m["loss"]))
   uni = float(np.mean([uniform_guess_kl(b) for b in val]))
   if base:
@@ -86,7 +95,7 @@ def train_and_measure(overrides, eval_batches=4):
 
 
 @pytest.mark.slow  # ~40 s on a free 2-core machine
-def test_bijection_kl_falls_far_below_uniform_guess(optimized):
+def test_bijection_kl_falls_far_below_uniform_guess():
   kl0, kl1, uni, _ = train_and_measure(
     [
       "data.task=bijection",
@@ -108,7 +117,7 @@ def test_bijection_kl_falls_far_below_uniform_guess(optimized):
 
 
 @pytest.mark.slow  # ~50 s on a free 2-core machine; 200 steps of a smaller model learn nothing
-def test_hmm_filtering_kl_far_below_header_only_guess(optimized):
+def test_hmm_filtering_kl_far_below_header_only_guess():
   """The model reads the observations, not just the header (the full run in
   docs/windtunnel_results.md also beats the last-observation guess)."""
   kl0, kl1, uni, base = train_and_measure(
