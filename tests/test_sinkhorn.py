@@ -8,10 +8,12 @@ import functools
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mhc_jax import sinkhorn as sk
 from mhc_jax.sinkhorn import sinkhorn, stochastic_error
 
 MODES = ("unroll", "implicit")
@@ -240,3 +242,41 @@ def test_unroll_keeps_only_the_potentials():
     size, shapes = _residuals("unroll", iters)
     floats = 2 * iters * n * m + 3 * n * n * m + 2 * n * m
     assert size <= 4 * floats, (iters, size, shapes)
+
+
+# --- many matrices: the reductions written out ------------------------------------------------
+
+
+def _reductions(jaxpr) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+  """(input shape, reduced axes) of every max / sum reduction in ``jaxpr`` and the jaxprs nested
+  in its equations (loop bodies, custom gradients)."""
+  out = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in ("reduce_max", "reduce_sum"):
+      out.append((eqn.invars[0].aval.shape, tuple(eqn.params["axes"])))
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      out += _reductions(sub)
+  return out
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_many_matrices_reduce_element_wise_and_match_the_reduction_form(mode):
+  """From ``WRITTEN_FROM`` matrices on, the n x n projection's iterations (forward, and the
+  unrolled backward) reduce over the short matrix axes element-wise (XLA's CPU reduction over them slowed down far faster than
+  the matrix count: README "Sinkhorn gradient modes"), with the numbers of the reduction form,
+  which smaller batches still use: the same matrices projected in two halves."""
+  n = 4
+  many = sk.WRITTEN_FROM
+  z = _logits(11, (many, n, n), 2.0)
+  w = _logits(12, (many, n, n))
+  jaxpr = jax.make_jaxpr(lambda z: jax.vjp(lambda z: sinkhorn(z, 20, mode), z)[1](w))(z).jaxpr
+  # none over a short axis of matrices laid out along the last axis ([n, n, N])
+  leading = [(s, a) for s, a in _reductions(jaxpr) if s[-1] == many and len(s) - 1 not in a]
+  assert not leading, leading
+  half = many // 2
+  both = jax.jit(lambda z: (_proj(z, iters=20, grad=mode), _grad(z, w, 20, mode)))
+  p, g = both(z)
+  p_lo, g_lo = _proj(z[:half], iters=20, grad=mode), _grad(z[:half], w[:half], 20, mode)
+  p_hi, g_hi = _proj(z[half:], iters=20, grad=mode), _grad(z[half:], w[half:], 20, mode)
+  np.testing.assert_allclose(p, np.concatenate([p_lo, p_hi]), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(g, np.concatenate([g_lo, g_hi]), rtol=1e-4, atol=1e-5)
