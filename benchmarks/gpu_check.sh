@@ -24,4 +24,5 @@ echo "== studies: GPU-sized variants, 10 timed steps of the costliest run each"
 timeout 400 "$PY" benchmarks/study_cost.py --steps 10 --warmup 3 || echo "study_cost: stopped (rc $?)"
 echo "== train step, width 2048, 8 blocks, 8 x 1024 tokens, n = 4 streams (float32 and bfloat16)"
 timeout 150 "$PY" benchmarks/step_bench.py --mixers residual,mhc --width 2048 --depth 8 --heads 16 \
-  --batch 8 --seq-len 1024 --variants scan,bf16 --steps 5 --warmup 2 || echo "step_bench: stopped (rc $?)"
+  --batch 8 --seq-len 1024 --variants scan,bf16 --steps 5 --warmup 2 --matmul 8192x8192x8192 \
+  || echo "step_bench: stopped (rc $?)"  # a reference matmul big enough to reach a GPU's rate

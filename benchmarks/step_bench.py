@@ -69,9 +69,12 @@ def matmul_fn(m: int = 2048, k: int = 1024, n: int = 4096):
   return (lambda: f(a, b)), 2 * m * k * n
 
 
-def matmul_rate(steps: int = 10) -> float:
+MATMUL = (2048, 1024, 4096)  # the reference matmul's [m, k] @ [k, n]
+
+
+def matmul_rate(steps: int = 10, mkn=MATMUL) -> float:
   """GFLOP/s of the dense matmul of ``matmul_fn`` in this process (median of ``steps``)."""
-  call, flops = matmul_fn()
+  call, flops = matmul_fn(*mkn)
   _, t = median_time(call, steps, 3)
   return flops / t / 1e9
 
@@ -149,13 +152,15 @@ def split_options(overrides: list[str]) -> tuple[list[str], dict]:
   return [o for o in overrides if not (o.startswith("xla_") and "=" in o)], options
 
 
-def interleave(rows: list[dict], steps: int, warmup: int, rate_calls: int = 3) -> list[dict]:
+def interleave(
+  rows: list[dict], steps: int, warmup: int, rate_calls: int = 3, mkn=MATMUL
+) -> list[dict]:
   """Time the rows round-robin: each round runs one step of every row, then the dense matmul
   ``rate_calls`` times. A row's step time is the median over rounds; its share of the matmul
   rate and its ratio to the first row are medians of the per-round figures, so a VM whose speed
   drifts or jumps during the run (this one's matmul rate moved 92-152 GFLOP/s between runs
   minutes apart) moves every row of a round together and leaves the ratios alone."""
-  mm = matmul_fn()
+  mm = matmul_fn(*mkn)
   rates = []  # GFLOP/s of the dense matmul, one per round
 
   def rate():
@@ -231,10 +236,25 @@ def main(argv=None) -> int:
   ap.add_argument("--warmup", type=int, default=2)
   ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
   ap.add_argument(
+    "--matmul",
+    default="x".join(map(str, MATMUL)),
+    metavar="MxKxN",
+    help="the reference matmul [M, K] @ [K, N] (smaller: quicker, for toy runs)",
+  )
+  ap.add_argument(
     "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides after the shape's"
   )
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
+  try:
+    mkn = tuple(int(d) for d in args.matmul.split("x"))
+    if len(mkn) != 3 or min(mkn) < 1:
+      raise ValueError
+  except ValueError:
+    print(
+      f"error: --matmul: expected MxKxN (positive integers), got {args.matmul!r}", file=sys.stderr
+    )
+    return 2
   bad = sorted({v for v in variants if v.split("+")[0] not in VARIANTS})
   if bad:
     print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
@@ -258,12 +278,13 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f"error: --set: {e}", file=sys.stderr)
     return 2
-  rate = matmul_rate()
+  rate = matmul_rate(mkn=mkn)
   print(
     f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  "
     f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}"
   )
-  print(f"dense matmul (2048x1024 @ 1024x4096, f32): {rate:.1f} GFLOP/s at start")
+  m, k, n = mkn
+  print(f"dense matmul ({m}x{k} @ {k}x{n}, f32): {rate:.1f} GFLOP/s at start")
   prepared = []
   for mixer in [m for m in args.mixers.split(",") if m]:
     for variant in variants:
@@ -279,7 +300,7 @@ def main(argv=None) -> int:
       except Exception as e:  # a mixer that cannot run this shape: say so, keep going
         print(f"{mixer:>14} {variant:>5}  failed: {type(e).__name__}: {e}", flush=True)
   print(f"compiled {len(prepared)} rows; timing {args.steps} rounds (one step of each row a round)")
-  rows = interleave(prepared, args.steps, args.warmup)
+  rows = interleave(prepared, args.steps, args.warmup, mkn=mkn)
   for row in rows:
     print(
       f"{row['mixer']:>14} {row['variant']:>5}  step {row['step_s']:.3f} s  "

@@ -15,6 +15,7 @@ import population_bench  # noqa: E402
 import step_bench  # noqa: E402
 
 TOY = ["--width", "16", "--depth", "1", "--heads", "2", "--batch", "2", "--seq-len", "8"]
+TOY += ["--matmul", "256x256x256"]  # the reference matmul at toy size too
 
 
 def test_split_options_separates_xla_options_from_config_overrides():
@@ -31,6 +32,7 @@ def test_split_options_separates_xla_options_from_config_overrides():
     (["--variants", "scan,fast"], "error: --variants: unknown ['fast']"),
     (["--variants", "scan+model.remat=most"], "error: --set:"),
     (["--set", "model.width=-1"], "error: --set:"),
+    (["--matmul", "256x256"], "error: --matmul: expected MxKxN"),
   ],
 )
 def test_step_bench_bad_input_exits_2(argv, msg, capsys):
