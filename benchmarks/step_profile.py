@@ -11,7 +11,9 @@ by the project's own jitted step (``train.loop.SingleProgram``, diagnostics off 
 ``--diag``) on one device.
 Prints the median step time of ``--steps`` timed steps after 3 warm-up ones, then the ``--top``
 ops by time per step: a ``while`` op's time includes the ops inside it (nested loops, such as
-the Sinkhorn iterations inside the scan over blocks, are listed again on their own).
+the Sinkhorn iterations inside the scan over blocks, are listed again on their own). Then the
+op time summed by part of the model (``PARTS``: Sinkhorn, attention and MLP, the mixer's own
+ops, the scan's per-layer slicing, the rest), loops left out so nothing counts twice.
 """
 
 from __future__ import annotations
@@ -41,6 +43,21 @@ SHAPE = [
   "optim.warmup_steps=0",
   "train.diag_every=0",
 ]
+
+
+# Where an op belongs, by its place in the model (first match wins). ``while`` ops are left out of
+# the breakdown: a loop's time is the time of the ops inside it, which are counted themselves.
+PARTS = (
+  ("Sinkhorn projection", r"project_res"),
+  ("attention and MLP (with their norms)", r"/(attn|mlp)(_norm)?/"),
+  ("mixer (coefficients, stream read and mix)", r"(attn|mlp)_mix"),
+  ("scan stacking (per-layer slices)", r"dynamic_(update_)?(index_in_dim|slice)"),
+  ("rest (embedding, head, loss, optimiser)", r""),
+)
+
+
+def part_of(place: str) -> str:
+  return next(name for name, pattern in PARTS if re.search(pattern, place))
 
 
 def op_places(hlo: str) -> dict[str, str]:
@@ -103,6 +120,14 @@ def main() -> None:
   for name, us in total.most_common(args.top):
     where = places[name].removeprefix("jit(step)/")
     print(f"{us / traced / 1e3:8.2f} {calls[name] // traced:6d}  {name}  ({where[-90:]})")
+  parts = collections.Counter()
+  for name, us in total.items():
+    if not name.startswith("while"):
+      parts[part_of(places[name])] += us / traced / 1e3
+  whole = sum(parts.values())
+  print(f"op time by part of the model ({whole:.0f} ms of ops a step: the CPU runs some at once)")
+  for name, _ in PARTS:
+    print(f"{parts[name]:8.1f} ms  {100 * parts[name] / whole:4.1f}%  {name}")
   if args.sum:
     hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
     ms = sum(total[n] for n in hit) / traced / 1e3

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import population_bench  # noqa: E402
 import step_bench  # noqa: E402
+import step_profile  # noqa: E402
 
 TOY = ["--width", "16", "--depth", "1", "--heads", "2", "--batch", "2", "--seq-len", "8"]
 TOY += ["--matmul", "256x256x256"]  # the reference matmul at toy size too
@@ -58,3 +59,35 @@ def test_step_bench_xla_option_rows(tmp_path, capsys):
   assert set(rows) == {"scan", "scan+xla_cpu_prefer_vector_width=128"}
   assert all(len(r["times"]) == 2 and min(r["times"]) > 0 for r in rows.values())
   assert "residual scan+xla_cpu_prefer_vector_width=128 / scan:" in text
+
+
+@pytest.mark.parametrize(
+  "place, part",
+  [
+    (
+      "jvp(Transformer)/while/body/closed_call/blocks/attn_mix/attn_mix.project_res/closed_call/while/body/closed_call/reduce_sum",
+      "Sinkhorn",
+    ),
+    (
+      "transpose(jvp(Transformer))/while/body/closed_call/checkpoint/blocks/mlp_mix/mlp/up/dot_general",
+      "attention and MLP",
+    ),
+    ("jvp(Transformer)/while/body/closed_call/blocks/attn_mix/attn_norm/mul", "attention and MLP"),
+    (
+      "transpose(jvp(Transformer))/while/body/closed_call/checkpoint/blocks/attn_mix/...ic,...jc->...ij/dot_general",
+      "mixer",
+    ),
+    (
+      "transpose(jvp(Transformer))/while/body/jit(dynamic_index_in_dim)/dynamic_slice",
+      "scan stacking",
+    ),
+    (
+      "jvp(Transformer)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice",
+      "scan stacking",
+    ),
+    ("jvp(Transformer)/embedding/gather", "rest"),
+  ],
+)
+def test_step_profile_parts(place, part):
+  """step_profile's breakdown puts each op where its place in the model says it belongs."""
+  assert step_profile.part_of(place).startswith(part)
