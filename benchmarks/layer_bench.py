@@ -6,7 +6,9 @@ one process: forward + backward median time of
   against heads before time ``[B, H, T, D]`` (batch axes lead), and the model's
   ``causal_attention`` (heads before time, queries in chunks that skip the masked keys);
 - the stream mix ``x' = H_res x + H_postᵀ F`` with per-token coefficients: autodiff of the
-  einsum form, autodiff of the written-out sum, and ``mixers.base.mix`` (hand-written VJP).
+  einsum form, autodiff of the written-out sum, and ``mixers.base.mix`` (hand-written VJP);
+  and its forward reading its inputs out of ``[L, ...]`` stacks at a traced layer index (as
+  ``nn.scan``'s backward reads the saved values of each layer) against plain arrays.
 
     python benchmarks/layer_bench.py                 # B=8, T=256, C=256, n=4 (step_bench's shape)
     python benchmarks/layer_bench.py --tokens 4096 --width 512
@@ -92,6 +94,19 @@ def main() -> None:
   args += (jax.random.normal(k[5], (b, t, n, n)), jax.random.normal(k[6], (b, t, n)))
   for name, fn in [("einsum", mix_einsum), ("written out", mix_written_out), ("mix (VJP)", mix)]:
     print(f"stream mix fwd+bwd, {name:>11}: {grad_time(fn, args, a.steps) * 1e3:.1f} ms")
+  # the backward of nn.scan reads each layer's saved values out of [L, ...] stacks: XLA fuses
+  # that dynamic slice into the element-wise op that consumes it
+  layers = 8
+  stacks = [jnp.broadcast_to(v, (layers,) + v.shape) + 0.0 for v in args]
+  at = jax.jit(lambda stacks, i: mix_written_out(*(v[i] for v in stacks)))
+  plain = jax.jit(mix_written_out)
+  i = jnp.int32(layers // 2)
+  t_at = median_time(lambda: at(stacks, i), a.steps, 3)[1]
+  t_plain = median_time(lambda: plain(*args), a.steps, 3)[1]
+  print(
+    f"stream mix forward from [L, ...] stacks at a traced layer: {t_at * 1e3:.2f} ms, "
+    f"from plain arrays: {t_plain * 1e3:.2f} ms ({t_at / t_plain:.1f}x)"
+  )
 
 
 if __name__ == "__main__":
