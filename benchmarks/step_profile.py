@@ -13,7 +13,8 @@ Prints the median step time of ``--steps`` timed steps after 3 warm-up ones, the
 ops by time per step: a ``while`` op's time includes the ops inside it (nested loops, such as
 the Sinkhorn iterations inside the scan over blocks, are listed again on their own). Then the
 op time summed by part of the model (``PARTS``: Sinkhorn, attention and MLP, the mixer's own
-ops, the scan's per-layer slicing, the rest), loops left out so nothing counts twice.
+ops, the scan's per-layer slicing, the rest), loops left out so nothing counts twice, and how
+much of it sits in fusions that hold a dynamic slice (``sliced_fusions``).
 """
 
 from __future__ import annotations
@@ -68,6 +69,22 @@ def op_places(hlo: str) -> dict[str, str]:
   return out
 
 
+def sliced_fusions(hlo: str) -> set[str]:
+  """Names of the fusions whose fused computation holds a ``dynamic-slice``: under ``nn.scan``,
+  the backward's reads of each layer's saved values out of ``[L, ...]`` stacks, fused into the
+  element-wise op that consumes them (benchmarks/layer_bench.py times the cost)."""
+  sliced = {
+    m.group(1)
+    for m in re.finditer(r"^%([\w.\-]+) \(.*?^}$", hlo, re.S | re.M)
+    if "dynamic-slice(" in m.group(0)
+  }
+  return {
+    m.group(1)
+    for m in re.finditer(r"%([\w.\-]+) = \S+ fusion\(.*?calls=%([\w.\-]+)", hlo)
+    if m.group(2) in sliced
+  }
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--mixer", default="mhc")
@@ -103,7 +120,8 @@ def main() -> None:
   print(
     f"{args.mixer}{' (diagnostics on)' * args.diag}: median step {statistics.median(times) * 1e3:.1f} ms"
   )
-  places = op_places(prog._step.lower(box[0], batch, args.diag).compile().as_text())
+  hlo = prog._step.lower(box[0], batch, args.diag).compile().as_text()
+  places, sliced = op_places(hlo), sliced_fusions(hlo)
   traced = 5
   with tempfile.TemporaryDirectory() as d:
     with jax.profiler.trace(d):
@@ -128,6 +146,8 @@ def main() -> None:
   print(f"op time by part of the model ({whole:.0f} ms of ops a step: the CPU runs some at once)")
   for name, _ in PARTS:
     print(f"{parts[name]:8.1f} ms  {100 * parts[name] / whole:4.1f}%  {name}")
+  ms = sum(us for name, us in total.items() if name in sliced) / traced / 1e3
+  print(f"{ms:8.1f} ms  {100 * ms / whole:4.1f}%  of it in fusions holding a dynamic slice")
   if args.sum:
     hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
     ms = sum(total[n] for n in hit) / traced / 1e3

@@ -91,3 +91,14 @@ def test_step_bench_xla_option_rows(tmp_path, capsys):
 def test_step_profile_parts(place, part):
   """step_profile's breakdown puts each op where its place in the model says it belongs."""
   assert step_profile.part_of(place).startswith(part)
+
+
+def test_step_profile_finds_fusions_holding_a_dynamic_slice():
+  import jax
+  import jax.numpy as jnp
+
+  stack = jnp.ones((4, 64, 64))
+  at = jax.jit(lambda s, i: jnp.tanh(s[i]) * 2.0).lower(stack, jnp.int32(1)).compile()
+  plain = jax.jit(lambda x: jnp.tanh(x) * 2.0).lower(stack[0]).compile()
+  assert step_profile.sliced_fusions(at.as_text())
+  assert not step_profile.sliced_fusions(plain.as_text())
