@@ -6,6 +6,7 @@ against P separate jitted steps (what P separate runs execute).
     python benchmarks/population_bench.py --members 8 --width 128 --seq-len 128
     python benchmarks/population_bench.py --set model.remat=none     # any config override
     python benchmarks/population_bench.py --modes vmap               # one population mode only
+    python benchmarks/population_bench.py --parts      # and where each program's op time goes
 
 Every side runs the same train step (train.step.make_train_step, per-layer diagnostics off) on
 the same batch, on whatever devices JAX sees (mesh from the config: data-parallel over all).
@@ -23,6 +24,7 @@ import statistics
 
 import jax
 import numpy as np
+import step_profile
 from timing import round_robin, timed
 
 from mhc_jax import hostmem
@@ -47,6 +49,12 @@ def main(argv=None) -> None:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--modes", default="vmap,unroll", help="population modes, comma list")
   ap.add_argument("--set", nargs="*", default=[], help="further config overrides (KEY=VALUE)")
+  ap.add_argument(
+    "--parts",
+    action="store_true",
+    help="then profile each population mode and one run's step: op time by part of the model "
+    "(benchmarks/step_profile.py)",
+  )
   args = ap.parse_args(argv)
   modes = [m for m in args.modes.split(",") if m]
   if not modes or set(modes) - {"vmap", "unroll"}:
@@ -80,7 +88,7 @@ def main(argv=None) -> None:
 
   lr_arr = jax.device_put(np.asarray(lrs, np.float32), sh.replicated(mesh))
   active = jax.device_put(np.ones(args.members, bool), sh.replicated(mesh))
-  calls, compile_s = {}, {}
+  calls, compile_s, hlo = {}, {}, {}  # hlo: the compiled program's text, for --parts
 
   def first_call(name, fn):
     compile_s[name] = timed(fn)
@@ -99,6 +107,9 @@ def main(argv=None) -> None:
       return m["loss"]
 
     first_call(f"population ({mode})", pop_step)
+    hlo[f"population ({mode})"] = lambda prog=prog, box=box: (
+      prog.step.lower(box["s"], lr_arr, active, batch, False).compile().as_text()
+    )
 
   # P separate runs: each its own compiled step with its lr a constant (as train() builds it)
   model = prog.model
@@ -118,6 +129,9 @@ def main(argv=None) -> None:
       return m["loss"]
 
     first_call(f"run {i}", one_step)
+    hlo[f"run {i}"] = lambda fn=fn, holder=holder: (
+      fn.lower(holder["s"], batch, False).compile().as_text()
+    )
 
   times = round_robin(calls, args.steps, args.warmup)
   runs = [k for k in calls if k.startswith("run ")]
@@ -140,6 +154,12 @@ def main(argv=None) -> None:
       f"{speedup:.2f}x per step; first call (compile) {compile_s[k]:.1f} s, "
       f"{seq_compile / compile_s[k]:.2f}x faster than the {args.members} runs'"
     )
+  if args.parts:
+    for k in [k for k in calls if k not in runs] + ["run 0"]:
+      text = hlo[k]()
+      total, _, places = step_profile.op_times(lambda k=k: jax.block_until_ready(calls[k]()), text)
+      print(f"-- {k}, one step under jax.profiler")
+      step_profile.print_parts(total, places, step_profile.sliced_fusions(text))
 
 
 if __name__ == "__main__":

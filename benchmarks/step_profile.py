@@ -85,6 +85,38 @@ def sliced_fusions(hlo: str) -> set[str]:
   }
 
 
+def op_times(step, hlo: str, traced: int = 5):
+  """``(ms per step, calls per step, places)`` of each compiled op of ``hlo`` over ``traced``
+  calls of ``step`` under ``jax.profiler`` (host-side frames and executor spans left out)."""
+  places = op_places(hlo)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d):
+      for _ in range(traced):
+        step()
+    (path,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
+    events = json.load(gzip.open(path))["traceEvents"]
+  total, calls = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and e.get("name") in places:
+      total[e["name"]] += e["dur"] / traced / 1e3
+      calls[e["name"]] += 1
+  return total, collections.Counter({k: v // traced for k, v in calls.items()}), places
+
+
+def print_parts(total, places, sliced=frozenset()) -> None:
+  """The op time of ``op_times`` summed by part of the model (``PARTS``; loops left out)."""
+  parts = collections.Counter()
+  for name, ms in total.items():
+    if not name.startswith("while"):
+      parts[part_of(places[name])] += ms
+  whole = sum(parts.values())
+  print(f"op time by part of the model ({whole:.0f} ms of ops a step: the CPU runs some at once)")
+  for name, _ in PARTS:
+    print(f"{parts[name]:8.1f} ms  {100 * parts[name] / whole:4.1f}%  {name}")
+  ms = sum(v for name, v in total.items() if name in sliced)
+  print(f"{ms:8.1f} ms  {100 * ms / whole:4.1f}%  of it in fusions holding a dynamic slice")
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--mixer", default="mhc")
@@ -121,36 +153,15 @@ def main() -> None:
     f"{args.mixer}{' (diagnostics on)' * args.diag}: median step {statistics.median(times) * 1e3:.1f} ms"
   )
   hlo = prog._step.lower(box[0], batch, args.diag).compile().as_text()
-  places, sliced = op_places(hlo), sliced_fusions(hlo)
-  traced = 5
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d):
-      for _ in range(traced):
-        step()
-    (path,) = glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)
-    events = json.load(gzip.open(path))["traceEvents"]
-  total, calls = collections.Counter(), collections.Counter()
-  for e in events:  # only the compiled ops (host-side frames and executor spans are left out)
-    if e.get("ph") == "X" and e.get("name") in places:
-      total[e["name"]] += e["dur"]
-      calls[e["name"]] += 1
+  total, calls, places = op_times(step, hlo)
   print(f"{'ms/step':>8} {'calls':>6}  op  (place in the model)")
-  for name, us in total.most_common(args.top):
+  for name, ms in total.most_common(args.top):
     where = places[name].removeprefix("jit(step)/")
-    print(f"{us / traced / 1e3:8.2f} {calls[name] // traced:6d}  {name}  ({where[-90:]})")
-  parts = collections.Counter()
-  for name, us in total.items():
-    if not name.startswith("while"):
-      parts[part_of(places[name])] += us / traced / 1e3
-  whole = sum(parts.values())
-  print(f"op time by part of the model ({whole:.0f} ms of ops a step: the CPU runs some at once)")
-  for name, _ in PARTS:
-    print(f"{parts[name]:8.1f} ms  {100 * parts[name] / whole:4.1f}%  {name}")
-  ms = sum(us for name, us in total.items() if name in sliced) / traced / 1e3
-  print(f"{ms:8.1f} ms  {100 * ms / whole:4.1f}%  of it in fusions holding a dynamic slice")
+    print(f"{ms:8.2f} {calls[name]:6d}  {name}  ({where[-90:]})")
+  print_parts(total, places, sliced_fusions(hlo))
   if args.sum:
     hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
-    ms = sum(total[n] for n in hit) / traced / 1e3
+    ms = sum(total[n] for n in hit)
     print(f"ops whose place ends with {args.sum!r}: {len(hit)}, {ms:.1f} ms per step")
 
 

@@ -102,3 +102,25 @@ def test_step_profile_finds_fusions_holding_a_dynamic_slice():
   plain = jax.jit(lambda x: jnp.tanh(x) * 2.0).lower(stack[0]).compile()
   assert step_profile.sliced_fusions(at.as_text())
   assert not step_profile.sliced_fusions(plain.as_text())
+
+
+def test_step_profile_op_times_and_parts(capsys):
+  """op_times sums a program's compiled ops over profiled calls; print_parts sorts them into the
+  model's parts (what step_profile and population_bench --parts print)."""
+  import jax
+  import jax.numpy as jnp
+
+  x = jnp.ones((256, 256))
+  f = jax.jit(lambda x: jnp.tanh(x @ x) * 2.0)
+  hlo = f.lower(x).compile().as_text()
+  total, calls, places = step_profile.op_times(lambda: jax.block_until_ready(f(x)), hlo, traced=2)
+  assert total and all(ms > 0 for ms in total.values()) and set(total) <= set(places)
+  assert all(calls[name] == 1 for name in total)  # each op once a call
+  step_profile.print_parts(total, places)
+  out = capsys.readouterr().out
+  rest = [
+    line for line in out.splitlines() if line.endswith("rest (embedding, head, loss, optimiser)")
+  ]
+  assert len(rest) == 1 and float(rest[0].split()[0]) == pytest.approx(
+    sum(total.values()), abs=0.051
+  )
