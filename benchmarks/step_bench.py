@@ -4,6 +4,7 @@ each mixer, next to the same process's dense-matmul rate, so every figure is a r
     python benchmarks/step_bench.py                       # the issue-14 shape, core variants
     python benchmarks/step_bench.py --mixers residual,mhc --variants scan,loop,diag
     python benchmarks/step_bench.py --width 2048 --depth 8 --batch 8 --seq-len 1024 # GPU size
+    python benchmarks/step_bench.py ... --matmul 8192x8192x8192   # a reference a GPU can fill
 
 Shape (default): width 256, 8 blocks, 8 sequences x 256 tokens, vocabulary 256, AdamW, the
 project's own train step (``mhc_jax.train.step.make_train_step``) jitted with the state donated,
@@ -60,16 +61,16 @@ from mhc_jax.train.step import make_train_step
 VARIANTS = ("scan", "loop", "diag", "bf16")
 
 
-def matmul_fn(m: int = 2048, k: int = 1024, n: int = 4096):
+MATMUL = (2048, 1024, 4096)  # the reference matmul's [m, k] @ [k, n] (--matmul)
+
+
+def matmul_fn(m: int, k: int, n: int):
   """``(call, flops)``: one dense float32 ``[m, k] @ [k, n]`` matmul, jitted and warmed up."""
   a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
   b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)
   f = jax.jit(jnp.matmul)
   jax.block_until_ready(f(a, b))
   return (lambda: f(a, b)), 2 * m * k * n
-
-
-MATMUL = (2048, 1024, 4096)  # the reference matmul's [m, k] @ [k, n]
 
 
 def matmul_rate(steps: int = 10, mkn=MATMUL) -> float:

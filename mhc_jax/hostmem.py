@@ -13,9 +13,9 @@ measurement and its command). Arithmetic is unchanged: the same losses bit for b
 The tunable is read when the process starts, so :func:`ensure` re-executes the same command
 (``sys.orig_argv``: same PID, same arguments) with it added to ``GLIBC_TUNABLES`` when it is
 missing. Only programs call it (``mhc-jax``, the benchmarks), before they write anything or
-run jax; child processes (sweep workers, ``jax.distributed`` ranks) inherit the variable. It does nothing
-off Linux/glibc, where the kernel's THP mode is ``always`` (every mapping already gets huge
-pages) or ``never`` (none can), or with ``MHC_JAX_HUGEPAGES=0``.
+run jax; child processes (sweep workers, ``jax.distributed`` ranks) inherit the variable. It
+does nothing off Linux/glibc, where the kernel's THP mode is ``always`` (every mapping already
+gets huge pages) or ``never`` (none can), or with ``MHC_JAX_HUGEPAGES=0``.
 """
 
 from __future__ import annotations

@@ -66,24 +66,28 @@ UNROLL_N = 8
 WRITTEN_FROM = 4096
 
 
-def _reduce(x: jax.Array, axis: int, op) -> jax.Array:
-  """``op``-reduction (``jnp.maximum`` or ``jnp.add``) of ``x [.., N]`` over a short ``axis``."""
-  if x.shape[axis] > UNROLL_N or x.shape[-1] < WRITTEN_FROM:
-    return (jnp.max if op is jnp.maximum else jnp.sum)(x, axis=axis)
-  parts = [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(x.shape[axis])]
-  out = parts[0]
-  for part in parts[1:]:
-    out = op(out, part)
-  return out
+def _slices(x: jax.Array, axis: int) -> list[jax.Array] | None:
+  """The ``n`` slices of ``x [.., N]`` along a short ``axis`` when the reduction over it is
+  written out (see above), else None."""
+  n = x.shape[axis]
+  if n > UNROLL_N or x.shape[-1] < WRITTEN_FROM:
+    return None
+  return [jax.lax.index_in_dim(x, i, axis, keepdims=False) for i in range(n)]
+
+
+def _max(x: jax.Array, axis: int) -> jax.Array:
+  parts = _slices(x, axis)
+  return jnp.max(x, axis=axis) if parts is None else functools.reduce(jnp.maximum, parts)
 
 
 def _sum(x: jax.Array, axis: int) -> jax.Array:
-  return _reduce(x, axis, jnp.add)
+  parts = _slices(x, axis)
+  return jnp.sum(x, axis=axis) if parts is None else functools.reduce(jnp.add, parts)
 
 
 def _lse0(x: jax.Array) -> jax.Array:
   """logsumexp over axis 0 (the max shift guarded as in ``jax.nn.logsumexp``)."""
-  m = _reduce(x, 0, jnp.maximum)
+  m = _max(x, 0)
   m = jnp.where(jnp.isfinite(m), m, 0.0)
   return m + jnp.log(_sum(jnp.exp(x - m[None]), 0))
 
