@@ -1,4 +1,4 @@
-"""The formulations behind the step's CPU speed-ups (README "Train-step speed"), side by side in
+"""The formulations behind the step's CPU speed-ups (docs/performance.md), side by side in
 one process: forward + backward median time of
 
 - a GELU MLP (C -> 4C -> C) applied over ``[B, T, C]`` against the same over ``[B*T, C]``;

@@ -7,7 +7,7 @@ step_bench's shape (width 256, 8 blocks, 2048 tokens) the residual step's 220 MB
 cost 56,185 minor faults per step, the mhc step's ~94,500. glibc's tunable
 ``glibc.malloc.hugetlb=1`` makes malloc ask the kernel for transparent huge pages
 (``madvise``) on such mappings: ~490 faults per step, and 0.10 s less kernel CPU time (mhc:
-0.14 s), about 4% of the two cores' time over the step (README, "Train-step speed": the
+0.14 s), about 4% of the two cores' time over the step (docs/performance.md: the
 measurement and its command). Arithmetic is unchanged: the same losses bit for bit.
 
 The tunable is read when the process starts, so :func:`ensure` re-executes the same command

@@ -315,7 +315,7 @@ class ModelConfig(_Section):
   tied_embeddings: bool = True
   # "dots" (default): the backward keeps only matmul outputs and recomputes the elementwise rest;
   # under nn.scan every kept activation is a stacked [L, ...] buffer, and on the CPU keeping
-  # fewer made the step ~1.3x faster (README "Train-step speed"). Same numbers to rounding.
+  # fewer made the step ~1.3x faster (docs/performance.md). Same numbers to rounding.
   remat: Literal["none", "full", "dots"] = "dots"
   scan: bool = True
   scan_unroll: int = 1  # blocks per nn.scan iteration (>1 trades compile time for speed)
