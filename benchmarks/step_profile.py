@@ -14,7 +14,8 @@ ops by time per step: a ``while`` op's time includes the ops inside it (nested l
 the Sinkhorn iterations inside the scan over blocks, are listed again on their own). Then the
 op time summed by part of the model (``PARTS``: Sinkhorn, attention and MLP, the mixer's own
 ops, the scan's per-layer slicing, the rest), loops left out so nothing counts twice, and how
-much of it sits in fusions that hold a dynamic slice (``sliced_fusions``).
+much of it sits in fusions that hold a dynamic slice (``sliced_fusions``). ``--diag-diff``
+then profiles the step with diagnostics off and on and lists the places whose op time grew most.
 """
 
 from __future__ import annotations
@@ -106,15 +107,33 @@ def op_times(step, hlo: str, traced: int = 5):
 def print_parts(total, places, sliced=frozenset()) -> None:
   """The op time of ``op_times`` summed by part of the model (``PARTS``; loops left out)."""
   parts = collections.Counter()
-  for name, ms in total.items():
-    if not name.startswith("while"):
-      parts[part_of(places[name])] += ms
+  for place, ms in by_place(total, places).items():
+    parts[part_of(place)] += ms
   whole = sum(parts.values())
   print(f"op time by part of the model ({whole:.0f} ms of ops a step: the CPU runs some at once)")
   for name, _ in PARTS:
     print(f"{parts[name]:8.1f} ms  {100 * parts[name] / whole:4.1f}%  {name}")
   ms = sum(v for name, v in total.items() if name in sliced)
   print(f"{ms:8.1f} ms  {100 * ms / whole:4.1f}%  of it in fusions holding a dynamic slice")
+
+
+def by_place(total, places) -> collections.Counter:
+  """The op time of ``op_times`` summed per place in the model (loops left out, as in
+  ``print_parts``): ops of one place, e.g. the fusions of one jnp call, count together."""
+  out = collections.Counter()
+  for name, ms in total.items():
+    if not name.startswith("while"):
+      out[places[name].removeprefix("jit(step)/")] += ms
+  return out
+
+
+def print_place_diff(off, on, top: int) -> None:
+  """The ``top`` places whose op time grew most from ``off`` to ``on`` (``by_place`` counters)."""
+  grew = collections.Counter({k: on[k] - off[k] for k in set(off) | set(on)})
+  print(f"op time a step: {sum(off.values()):.0f} ms off, {sum(on.values()):.0f} ms on")
+  print(f"{'+ms':>8} {'off':>8} {'on':>8}  place in the model")
+  for place, ms in grew.most_common(top):
+    print(f"{ms:8.2f} {off[place]:8.2f} {on[place]:8.2f}  {place[-100:]}")
 
 
 def main() -> None:
@@ -124,6 +143,12 @@ def main() -> None:
   ap.add_argument("--steps", type=int, default=10)
   ap.add_argument("--diag", action="store_true", help="the step with per-layer diagnostics on")
   ap.add_argument("--top", type=int, default=20)
+  ap.add_argument(
+    "--diag-diff",
+    action="store_true",
+    help="then profile the step with diagnostics off and on and print the places in the model "
+    "whose op time grew most (--top of them)",
+  )
   ap.add_argument(
     "--sum",
     default=None,
@@ -163,6 +188,20 @@ def main() -> None:
     hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
     ms = sum(total[n] for n in hit)
     print(f"ops whose place ends with {args.sum!r}: {len(hit)}, {ms:.1f} ms per step")
+  if args.diag_diff:
+    diag_places = []
+    for diag in (False, True):
+
+      def run(diag=diag):
+        box[0], m = prog._step(box[0], batch, diag)
+        jax.block_until_ready(m["loss"])
+
+      for _ in range(3):  # compiled and warm
+        run()
+      text = prog._step.lower(box[0], batch, diag).compile().as_text()
+      diag_places.append(by_place(*op_times(run, text)[::2]))
+    print("-- diagnostics off -> on, one process")
+    print_place_diff(*diag_places, args.top)
 
 
 if __name__ == "__main__":

@@ -124,3 +124,16 @@ def test_step_profile_op_times_and_parts(capsys):
   assert len(rest) == 1 and float(rest[0].split()[0]) == pytest.approx(
     sum(total.values()), abs=0.051
   )
+
+
+def test_step_profile_place_diff(capsys):
+  """by_place sums op time per place (loops left out); print_place_diff ranks places by growth
+  (what step_profile --diag-diff prints)."""
+  places = {"a": "jit(step)/x/add", "b": "jit(step)/x/add", "c": "jit(step)/y/mul", "while.1": "z"}
+  off = step_profile.by_place({"a": 1.0, "b": 2.0, "c": 5.0, "while.1": 9.0}, places)
+  on = step_profile.by_place({"a": 1.0, "b": 4.0, "c": 5.5, "while.1": 20.0}, places)
+  assert off == {"x/add": 3.0, "y/mul": 5.0} and on == {"x/add": 5.0, "y/mul": 5.5}
+  step_profile.print_place_diff(off, on, top=1)
+  lines = capsys.readouterr().out.splitlines()
+  assert lines[0] == "op time a step: 8 ms off, 10 ms on"
+  assert lines[-1].split() == ["2.00", "3.00", "5.00", "x/add"]
