@@ -5,8 +5,11 @@ The suite compiles hundreds of tiny programs and runs most of them a few steps, 
 compile is most of its time. The session (and every subprocess and notebook kernel, through
 the environment) compiles without most optimisations (``jax_disable_most_optimizations``) and
 with XLA's element-wise emitters instead of its MLIR fusion emitters: an mhc train step's
-compile 6.7 s -> 2.8 s (README, "make test"). A test whose claim is about the optimised
-program, or that runs enough steps for its speed to matter, takes the ``optimized`` fixture.
+compile 6.7 s -> 2.8 s (README, "make test"). Each compile's LLVM code is generated as one
+module, not split for parallel codegen (``--xla_cpu_parallel_codegen_split_count=1``): the
+two xdist workers already keep both cores busy, and the split costs CPU time. A test whose
+claim is about the optimised program, or that runs enough steps for its speed to matter,
+takes the ``optimized`` fixture.
 
 The cache is shared by the xdist workers and every subprocess they start (``mhc-jax train``,
 sweep workers, the multi-process tests): the suite compiles the same tiny programs in many
@@ -19,7 +22,11 @@ import os
 import shutil
 import tempfile
 
-_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_cpu_use_fusion_emitters=false")
+_FLAGS = (
+  "--xla_force_host_platform_device_count=8",
+  "--xla_cpu_use_fusion_emitters=false",
+  "--xla_cpu_parallel_codegen_split_count=1",
+)
 _flags = os.environ.get("XLA_FLAGS", "")
 for _f in _FLAGS:
   if _f.split("=")[0] not in _flags:

@@ -11,9 +11,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import compile_time  # noqa: E402
 import population_bench  # noqa: E402
 import step_bench  # noqa: E402
 import step_profile  # noqa: E402
+import suite_times  # noqa: E402
 
 TOY = ["--width", "16", "--depth", "1", "--heads", "2", "--batch", "2", "--seq-len", "8"]
 TOY += ["--matmul", "256x256x256"]  # the reference matmul at toy size too
@@ -39,6 +41,22 @@ def test_split_options_separates_xla_options_from_config_overrides():
 def test_step_bench_bad_input_exits_2(argv, msg, capsys):
   assert step_bench.main(TOY + argv) == 2
   assert msg in capsys.readouterr().err
+
+
+def test_compile_time_eager_compiles_each_tiny_program_once():
+  from jax._src import monitoring
+
+  n = []
+
+  def count(event, duration, **_):
+    n.extend([duration] if event == "/jax/core/compile/backend_compile_duration" else [])
+
+  monitoring.register_event_duration_secs_listener(count)
+  try:
+    wall, cpu = compile_time.eager_compiles(3)
+  finally:
+    monitoring.unregister_event_duration_listener(count)
+  assert len(n) == 3 and 0 < sum(n) <= wall and cpu > 0  # three fresh compiles, timed within
 
 
 def test_population_bench_bad_modes_exit_2(capsys):
@@ -137,3 +155,22 @@ def test_step_profile_place_diff(capsys):
   lines = capsys.readouterr().out.splitlines()
   assert lines[0] == "op time a step: 8 ms off, 10 ms on"
   assert lines[-1].split() == ["2.00", "3.00", "5.00", "x/add"]
+
+
+def test_suite_times_sums_the_workers_records(tmp_path, capsys):
+  C, T = suite_times.COMPILE, suite_times.TRACE
+  for w, (a, b) in {"gw0": (1.5, 0.25), "gw1": (2.0, 0.5)}.items():
+    per = {f"tests/test_{w}.py::t": {C: a, T: b}, "tests/test_x.py::u": {C: 0.5}}
+    rec = {"cpu_s": 10.0, "total": {C: a + 0.5, T: b}, "count": {C: 3, T: 1}, "per_test": per}
+    (tmp_path / f"{w}.json").write_text(json.dumps(rec))
+  assert suite_times.main([str(tmp_path), "--top", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "2 test process(es), 20.0 CPU s" in out
+  assert f"    4.5       6  {C}" in out and f"    0.8       2  {T}" in out
+  files = out.split("test file\n")[1].split("\n\n")[0].splitlines()
+  assert files == [
+    "    2.0     0.5     0.0  tests/test_gw1.py",
+    "    1.5     0.2     0.0  tests/test_gw0.py",
+  ]
+  assert suite_times.main([str(tmp_path / "none")]) == 2
+  assert "no per-process records" in capsys.readouterr().err

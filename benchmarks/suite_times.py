@@ -1,0 +1,114 @@
+"""Where the test suite's time goes: JAX's compile, trace and lowering seconds per test.
+
+    PYTHONPATH=benchmarks .venv/bin/python -m pytest -q -n 2 -p suite_times --suite-times /tmp/times
+    .venv/bin/python benchmarks/suite_times.py /tmp/times [--top 20]
+
+As a pytest plugin (``-p suite_times``, with ``benchmarks`` on the path) it records, in each
+test process (each xdist worker), the durations JAX reports through ``jax.monitoring`` (XLA
+backend compiles, jaxpr traces, lowerings to MLIR, orbax writes) summed per test, plus the
+process's CPU seconds, into ``DIR/<worker>.json``. Subprocesses the tests start are not
+counted. As a script it sums those files: totals per event, then per test file and the tests
+with the most backend-compile time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+COMPILE = "/jax/core/compile/backend_compile_duration"
+TRACE = "/jax/core/compile/jaxpr_trace_duration"
+LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
+
+_state = {"dir": None, "test": None}
+_total: collections.Counter = collections.Counter()
+_count: collections.Counter = collections.Counter()
+_per: dict = collections.defaultdict(collections.Counter)
+
+
+def pytest_addoption(parser):
+  parser.addoption("--suite-times", metavar="DIR", help="write JAX's per-test durations here")
+
+
+def _listen(event: str, duration: float, **_) -> None:
+  _total[event] += duration
+  _count[event] += 1
+  if _state["test"]:
+    _per[_state["test"]][event] += duration
+
+
+def pytest_configure(config):
+  out = config.getoption("--suite-times")
+  controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+  if out and not controller:  # the processes that run tests
+    import jax.monitoring  # after conftest.py has set the XLA flags
+
+    _state["dir"] = Path(out)
+    jax.monitoring.register_event_duration_secs_listener(_listen)
+
+
+def pytest_runtest_logstart(nodeid, location):
+  _state["test"] = nodeid
+
+
+def pytest_unconfigure(config):
+  if _state["dir"] is None:
+    return
+  ru = resource.getrusage(resource.RUSAGE_SELF)
+  _state["dir"].mkdir(parents=True, exist_ok=True)
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+  rec = {
+    "cpu_s": ru.ru_utime + ru.ru_stime,
+    "total": dict(_total),
+    "count": dict(_count),
+    "per_test": {k: dict(v) for k, v in _per.items()},
+  }
+  (_state["dir"] / f"{worker}.json").write_text(json.dumps(rec))
+
+
+def summarize(paths: list[Path], top: int) -> str:
+  total, count, per = collections.Counter(), collections.Counter(), collections.defaultdict(dict)
+  cpu = 0.0
+  for p in paths:
+    rec = json.loads(p.read_text())
+    cpu += rec["cpu_s"]
+    total.update(rec["total"])
+    count.update(rec["count"])
+    for k, v in rec["per_test"].items():
+      per[k] = v
+  lines = [f"{len(paths)} test process(es), {cpu:.1f} CPU s in them (subprocesses not counted)"]
+  lines += ["seconds  events  event"]
+  spans = [(k, v) for k, v in total.most_common() if "since_last" not in k]  # not work: gaps
+  lines += [f"{v:7.1f} {count[k]:7d}  {k}" for k, v in spans[:8]]
+  files = collections.defaultdict(collections.Counter)
+  for k, v in per.items():
+    files[k.split("::")[0]].update({e: v.get(e, 0.0) for e in (COMPILE, TRACE, LOWER)})
+  lines += ["", "compile   trace   lower  test file"]
+  for f, c in sorted(files.items(), key=lambda kv: -kv[1][COMPILE])[:top]:
+    lines.append(f"{c[COMPILE]:7.1f} {c[TRACE]:7.1f} {c[LOWER]:7.1f}  {f}")
+  lines += ["", "compile   trace   lower  test"]
+  for k, v in sorted(per.items(), key=lambda kv: -kv[1].get(COMPILE, 0.0))[:top]:
+    lines.append(f"{v.get(COMPILE, 0):7.1f} {v.get(TRACE, 0):7.1f} {v.get(LOWER, 0):7.1f}  {k}")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("dir", type=Path)
+  ap.add_argument("--top", type=int, default=15)
+  args = ap.parse_args(argv)
+  paths = sorted(args.dir.glob("*.json"))
+  if not paths:
+    print(f"error: no per-process records (*.json) in {args.dir}", file=sys.stderr)
+    return 2
+  print(summarize(paths, args.top))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
