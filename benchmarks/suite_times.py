@@ -21,6 +21,8 @@ import resource
 import sys
 from pathlib import Path
 
+import pytest
+
 COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
@@ -44,7 +46,10 @@ def _listen(event: str, duration: float, **_) -> None:
 
 def pytest_configure(config):
   out = config.getoption("--suite-times")
-  controller = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+  worker = hasattr(config, "workerinput")
+  if out and not worker and any(Path(out).glob("*.json")):  # the controller, or the one process
+    raise pytest.UsageError(f"--suite-times: {out} already holds records; give a new directory")
+  controller = getattr(config.option, "numprocesses", None) and not worker
   if out and not controller:  # the processes that run tests
     import jax.monitoring  # after conftest.py has set the XLA flags
 
