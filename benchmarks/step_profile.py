@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import glob
 import gzip
 import json
@@ -164,9 +165,12 @@ def main() -> None:
   box = [prog.init()]
   batch = prog.batch(0)
 
-  def step():
-    box[0], m = prog._step(box[0], batch, args.diag)
+  def step(diag=args.diag):
+    box[0], m = prog._step(box[0], batch, diag)
     jax.block_until_ready(m["loss"])
+
+  def hlo(diag=args.diag) -> str:
+    return prog._step.lower(box[0], batch, diag).compile().as_text()
 
   times = []
   for i in range(3 + args.steps):
@@ -177,13 +181,13 @@ def main() -> None:
   print(
     f"{args.mixer}{' (diagnostics on)' * args.diag}: median step {statistics.median(times) * 1e3:.1f} ms"
   )
-  hlo = prog._step.lower(box[0], batch, args.diag).compile().as_text()
-  total, calls, places = op_times(step, hlo)
+  text = hlo()
+  total, calls, places = op_times(step, text)
   print(f"{'ms/step':>8} {'calls':>6}  op  (place in the model)")
   for name, ms in total.most_common(args.top):
     where = places[name].removeprefix("jit(step)/")
     print(f"{ms:8.2f} {calls[name]:6d}  {name}  ({where[-90:]})")
-  print_parts(total, places, sliced_fusions(hlo))
+  print_parts(total, places, sliced_fusions(text))
   if args.sum:
     hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
     ms = sum(total[n] for n in hit)
@@ -191,15 +195,10 @@ def main() -> None:
   if args.diag_diff:
     diag_places = []
     for diag in (False, True):
-
-      def run(diag=diag):
-        box[0], m = prog._step(box[0], batch, diag)
-        jax.block_until_ready(m["loss"])
-
+      run = functools.partial(step, diag)
       for _ in range(3):  # compiled and warm
         run()
-      text = prog._step.lower(box[0], batch, diag).compile().as_text()
-      diag_places.append(by_place(*op_times(run, text)[::2]))
+      diag_places.append(by_place(*op_times(run, hlo(diag))[::2]))
     print("-- diagnostics off -> on, one process")
     print_place_diff(*diag_places, args.top)
 

@@ -46,15 +46,17 @@ def _listen(event: str, duration: float, **_) -> None:
 
 def pytest_configure(config):
   out = config.getoption("--suite-times")
-  worker = hasattr(config, "workerinput")
-  if out and not worker and any(Path(out).glob("*.json")):  # the controller, or the one process
-    raise pytest.UsageError(f"--suite-times: {out} already holds records; give a new directory")
-  controller = getattr(config.option, "numprocesses", None) and not worker
-  if out and not controller:  # the processes that run tests
-    import jax.monitoring  # after conftest.py has set the XLA flags
+  if not out:
+    return
+  if not hasattr(config, "workerinput"):  # the xdist controller, or the one test process
+    if any(Path(out).glob("*.json")):
+      raise pytest.UsageError(f"--suite-times: {out} already holds records; give a new directory")
+    if getattr(config.option, "numprocesses", None):
+      return  # the controller runs no tests
+  import jax.monitoring  # after conftest.py has set the XLA flags
 
-    _state["dir"] = Path(out)
-    jax.monitoring.register_event_duration_secs_listener(_listen)
+  _state["dir"] = Path(out)
+  jax.monitoring.register_event_duration_secs_listener(_listen)
 
 
 def pytest_runtest_logstart(nodeid, location):
@@ -77,15 +79,13 @@ def pytest_unconfigure(config):
 
 
 def summarize(paths: list[Path], top: int) -> str:
-  total, count, per = collections.Counter(), collections.Counter(), collections.defaultdict(dict)
-  cpu = 0.0
+  total, count, per, cpu = collections.Counter(), collections.Counter(), {}, 0.0
   for p in paths:
     rec = json.loads(p.read_text())
     cpu += rec["cpu_s"]
     total.update(rec["total"])
     count.update(rec["count"])
-    for k, v in rec["per_test"].items():
-      per[k] = v
+    per.update(rec["per_test"])  # each test runs in one process: its record is in one file
   lines = [f"{len(paths)} test process(es), {cpu:.1f} CPU s in them (subprocesses not counted)"]
   lines += ["seconds  events  event"]
   spans = [(k, v) for k, v in total.most_common() if "since_last" not in k]  # not work: gaps
@@ -103,7 +103,7 @@ def summarize(paths: list[Path], top: int) -> str:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("dir", type=Path)
   ap.add_argument("--top", type=int, default=15)
   args = ap.parse_args(argv)

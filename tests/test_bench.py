@@ -44,7 +44,7 @@ def test_step_bench_bad_input_exits_2(argv, msg, capsys):
 
 
 def test_compile_time_eager_compiles_each_tiny_program_once():
-  from jax._src import monitoring
+  from jax import monitoring
 
   n = []
 
