@@ -34,6 +34,7 @@ bench: $(STAMP)  # measurements, not tests: each prints medians after warm-up
 	$(PY) benchmarks/population_bench.py
 	$(PY) benchmarks/layer_bench.py
 	$(PY) benchmarks/step_bench.py
+	$(PY) benchmarks/dot_ceiling.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

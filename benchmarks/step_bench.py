@@ -146,8 +146,11 @@ def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
 def split_options(overrides: list[str]) -> tuple[list[str], dict]:
   """``(config overrides, XLA compiler options)``: ``KEY=VALUE`` items whose key starts with
   ``xla_`` are compiler options (config keys are ``section.field``); ``true`` / ``false``
-  become booleans (XLA rejects a bool option given as a string)."""
+  become booleans (XLA rejects a bool option given as a string), and ``:`` separates the items
+  of a list value (``xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_ELTWISE:
+  LIBRARY_FUSION_TYPE_REDUCE``), since ``,`` separates the variants."""
   options = dict(o.split("=", 1) for o in overrides if o.startswith("xla_") and "=" in o)
+  options = {k: v.replace(":", ",") for k, v in options.items()}
   bools = {"true": True, "false": False}
   options = {k: bools.get(v.lower(), v) for k, v in options.items()}
   return [o for o in overrides if not (o.startswith("xla_") and "=" in o)], options
@@ -216,16 +219,8 @@ def paired(rows: list[dict], a: tuple, b: tuple) -> float | None:
   return statistics.median(x / y for x, y in zip(by[a], by[b]))
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--mixers", default="residual,hc,mhc,mhc_lite")
-  ap.add_argument(
-    "--variants",
-    default="scan,loop,diag,bf16",
-    help=f"comma list of {VARIANTS}; loop/diag/bf16 run for residual and mhc only "
-    "unless --all-variants",
-  )
-  ap.add_argument("--all-variants", action="store_true")
+def add_shape_args(ap: argparse.ArgumentParser, steps: int) -> None:
+  """The step's shape, timing and reference-matmul options (shared with dot_ceiling.py)."""
   ap.add_argument("--width", type=int, default=256)
   ap.add_argument("--depth", type=int, default=8)
   ap.add_argument("--heads", type=int, default=4)
@@ -233,9 +228,8 @@ def main(argv=None) -> int:
   ap.add_argument("--seq-len", type=int, default=256)
   ap.add_argument("--vocab", type=int, default=256)
   ap.add_argument("--n", type=int, default=4, help="streams for multi-stream mixers")
-  ap.add_argument("--steps", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=steps)
   ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
   ap.add_argument(
     "--matmul",
     default="x".join(map(str, MATMUL)),
@@ -245,22 +239,23 @@ def main(argv=None) -> int:
   ap.add_argument(
     "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides after the shape's"
   )
-  args = ap.parse_args(argv)
-  variants = [v for v in args.variants.split(",") if v]
+
+
+def parse_matmul(text: str) -> tuple | None:
+  """``(M, K, N)`` from ``--matmul MxKxN``; None (after one message on stderr) if malformed."""
   try:
-    mkn = tuple(int(d) for d in args.matmul.split("x"))
-    if len(mkn) != 3 or min(mkn) < 1:
-      raise ValueError
+    mkn = tuple(int(d) for d in text.split("x"))
+    if len(mkn) == 3 and min(mkn) >= 1:
+      return mkn
   except ValueError:
-    print(
-      f"error: --matmul: expected MxKxN (positive integers), got {args.matmul!r}", file=sys.stderr
-    )
-    return 2
-  bad = sorted({v for v in variants if v.split("+")[0] not in VARIANTS})
-  if bad:
-    print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
-    return 2
-  base = [
+    pass
+  print(f"error: --matmul: expected MxKxN (positive integers), got {text!r}", file=sys.stderr)
+  return None
+
+
+def shape_overrides(args) -> list[str]:
+  """Config overrides for the shape options of ``add_shape_args`` (then ``--set``)."""
+  return [
     f"model.width={args.width}",
     f"model.depth={args.depth}",
     f"model.heads={args.heads}",
@@ -272,6 +267,30 @@ def main(argv=None) -> int:
     "mesh.data=1",
     *args.set,
   ]
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--mixers", default="residual,hc,mhc,mhc_lite")
+  ap.add_argument(
+    "--variants",
+    default="scan,loop,diag,bf16",
+    help=f"comma list of {VARIANTS}; loop/diag/bf16 run for residual and mhc only "
+    "unless --all-variants",
+  )
+  ap.add_argument("--all-variants", action="store_true")
+  add_shape_args(ap, steps=5)
+  ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  args = ap.parse_args(argv)
+  variants = [v for v in args.variants.split(",") if v]
+  mkn = parse_matmul(args.matmul)
+  if mkn is None:
+    return 2
+  bad = sorted({v for v in variants if v.split("+")[0] not in VARIANTS})
+  if bad:
+    print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+    return 2
+  base = shape_overrides(args)
   try:  # a bad --set is one clear message before anything runs
     load_config(None, base)
     for v in variants:

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import compile_time  # noqa: E402
+import dot_ceiling  # noqa: E402
 import population_bench  # noqa: E402
 import step_bench  # noqa: E402
 import step_profile  # noqa: E402
@@ -23,10 +24,15 @@ TOY += ["--matmul", "256x256x256"]  # the reference matmul at toy size too
 
 def test_split_options_separates_xla_options_from_config_overrides():
   over, opts = step_bench.split_options(
-    ["model.remat=full", "xla_cpu_prefer_vector_width=512", "xla_x=a=b", "xla_y=False"]
+    ["model.remat=full", "xla_cpu_prefer_vector_width=512", "xla_x=a=b", "xla_y=False", "xla_z=P:Q"]
   )
   assert over == ["model.remat=full"]
-  assert opts == {"xla_cpu_prefer_vector_width": "512", "xla_x": "a=b", "xla_y": False}
+  assert opts == {
+    "xla_cpu_prefer_vector_width": "512",
+    "xla_x": "a=b",
+    "xla_y": False,
+    "xla_z": "P,Q",  # ':' separates a list value's items (',' separates the variants)
+  }
 
 
 @pytest.mark.parametrize(
@@ -174,3 +180,54 @@ def test_suite_times_sums_the_workers_records(tmp_path, capsys):
   ]
   assert suite_times.main([str(tmp_path / "none")]) == 2
   assert "no per-process records" in capsys.readouterr().err
+
+
+def test_hlo_dots_reads_every_dot_with_its_shapes():
+  import jax
+  import jax.numpy as jnp
+
+  x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
+  a, b = jnp.ones((4, 8, 16)), jnp.ones((4, 16, 8))
+  f = jax.jit(lambda x, w, a, b: (jnp.tanh(x @ w).sum(), jnp.einsum("bij,bjk->bik", a, b) * 2))
+  dots = dot_ceiling.hlo_dots(f.lower(x, w, a, b).compile().as_text())
+  assert sorted((d.flops, c) for d, c in dots.items()) == [
+    (2 * 4 * 8 * 16 * 8, 1),
+    (2 * 8 * 16 * 32, 1),
+  ]
+  batched = next(d for d in dots if d.lhs_batch)
+  assert (batched.lhs, batched.rhs, batched.lhs_batch, batched.rhs_batch) == (
+    (4, 8, 16),
+    (4, 16, 8),
+    (0,),
+    (0,),
+  )
+  assert batched.label().startswith("f32 4 x 8x16 @ 16x8")
+
+
+def test_dot_ceiling_counts_the_residual_steps_dots():
+  """Depth 1, one attention chunk: q, k, v, out, MLP up and down and the head each run forward,
+  input-gradient and weight-gradient dots (7 x 3 = 21); attention's score and value products run
+  forward, again in the rematerialised forward, and two gradient dots each (2 x 4 = 8)."""
+  ap = dot_ceiling.argparse.ArgumentParser()
+  step_bench.add_shape_args(ap, steps=1)
+  base = step_bench.shape_overrides(ap.parse_args(TOY))
+  dots, model = dot_ceiling.mixer_dots(base, "residual", 4)
+  assert sum(dots.values()) == 29
+  c, v, t, b = 16, 256, 8, 2  # width, vocab, seq_len, batch (TOY)
+  dense = 3 * 2 * (4 * c * c + 2 * c * 4 * c + c * v) * b * t
+  attention = 4 * 2 * (2 * b * t * t * c)  # scores and values: b x heads x t x t x head_dim each
+  assert sum(d.flops * n for d, n in dots.items()) == dense + attention
+  assert model == dense + 3 * 2 * (2 * b * t * t * c)  # step_bench counts attention 3x forward
+
+
+@pytest.mark.parametrize(
+  "argv, msg",
+  [
+    (["--matmul", "256x256"], "error: --matmul: expected MxKxN"),
+    (["--set", "model.width=-1"], "error:"),
+    (["--mixers", "residual,nope"], "error:"),
+  ],
+)
+def test_dot_ceiling_bad_input_exits_2(argv, msg, capsys):
+  assert dot_ceiling.main(TOY + argv) == 2
+  assert msg in capsys.readouterr().err

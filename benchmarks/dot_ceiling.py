@@ -1,0 +1,200 @@
+"""The train step's dots alone: how fast could the step be if everything but its matrix products
+took no time? An upper bound on step_bench's "of matmul" share at a shape.
+
+    python benchmarks/dot_ceiling.py                        # residual at the issue-14 shape
+    python benchmarks/dot_ceiling.py --mixers residual,mhc --steps 15   # both in one process
+    python benchmarks/dot_ceiling.py --width 64 --depth 4 --heads 2 --batch 16 --seq-len 64
+
+The dots are read from the compiled step itself (step_bench's step with ``model.scan=false``,
+so every dot XLA runs appears once in the optimised HLO, with no loop to count through): each
+``dot`` instruction's operand shapes and dimension numbers, whichever fusion holds it. Each
+distinct dot is then jitted alone as a ``lax.dot_general`` on random operands of those shapes
+and timed round-robin with step_bench's reference matmul (``--steps`` rounds after
+``--warmup``; a dot's time is its median over rounds, its rate a median of the same round's
+ratios to the reference, so the VM's drift cancels). The dot-only step is the sum over dots of
+count x time, and
+
+    ceiling = model FLOPs (step_bench's count) / dot-only step time / reference matmul rate
+
+is the largest "of matmul" share step_bench could report for this step if every other op
+(norms, softmax, GELU, the mixers, the optimiser) were free. A small dot's time includes one
+dispatch of a jitted call; ``dispatch`` (a jitted scalar add) is printed for scale.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from collections import Counter
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import step_bench
+from jax import lax
+from timing import round_robin
+
+from mhc_jax import hostmem
+from mhc_jax.errors import ConfigError
+from mhc_jax.train.config import load_config
+
+_DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]")
+_DOT = re.compile(r"\bdot\(\s*%?([\w.\-]+),\s*%?([\w.\-]+)\s*\)(.*)$")
+_DIMS = re.compile(
+  r"(lhs_batch_dims|lhs_contracting_dims|rhs_batch_dims|rhs_contracting_dims)=\{([\d,]*)\}"
+)
+
+
+class Dot(NamedTuple):
+  """One dot's operands and dimension numbers (as XLA's ``dot`` instruction has them)."""
+
+  dtype: str
+  lhs: tuple
+  rhs: tuple
+  lhs_batch: tuple = ()
+  lhs_contract: tuple = ()
+  rhs_batch: tuple = ()
+  rhs_contract: tuple = ()
+
+  @property
+  def flops(self) -> int:
+    """2 x (output elements) x (contracted length)."""
+    free_l = [d for i, d in enumerate(self.lhs) if i not in self.lhs_batch + self.lhs_contract]
+    free_r = [d for i, d in enumerate(self.rhs) if i not in self.rhs_batch + self.rhs_contract]
+    batch = [self.lhs[i] for i in self.lhs_batch]
+    k = [self.lhs[i] for i in self.lhs_contract]
+    return 2 * int(np.prod(batch + free_l + free_r + k, dtype=np.int64))
+
+  def label(self) -> str:
+    """``[b] m x k @ k x n`` style, with the batch and the free dims multiplied out."""
+    b = int(np.prod([self.lhs[i] for i in self.lhs_batch], dtype=np.int64))
+    k = int(np.prod([self.lhs[i] for i in self.lhs_contract], dtype=np.int64))
+    m = int(np.prod(self.lhs, dtype=np.int64)) // (b * k)
+    n = int(np.prod(self.rhs, dtype=np.int64)) // (b * k)
+    dims = (
+      f"lhs{list(self.lhs)} rhs{list(self.rhs)} contracting {self.lhs_contract}/{self.rhs_contract}"
+    )
+    return f"{self.dtype} " + (f"{b} x " if b > 1 else "") + f"{m}x{k} @ {k}x{n}  ({dims})"
+
+
+def hlo_dots(text: str) -> Counter:
+  """``Counter({Dot: count})`` of the ``dot`` instructions in an HLO module's text. Instruction
+  names are unique in a module, so one name -> shape map serves every computation."""
+  shapes, dots = {}, []
+  for line in text.splitlines():
+    m = _DEF.match(line)
+    if not m:
+      continue
+    name, dtype, dims = m.groups()
+    shapes[name] = (dtype, tuple(int(d) for d in dims.split(",") if d))
+    d = _DOT.search(line)
+    if d:
+      dots.append(d.groups())
+  out = Counter()
+  for a, b, attrs in dots:
+    nums = {k: tuple(int(x) for x in v.split(",") if x) for k, v in _DIMS.findall(attrs)}
+    out[
+      Dot(
+        shapes[a][0],
+        shapes[a][1],
+        shapes[b][1],
+        nums.get("lhs_batch_dims", ()),
+        nums.get("lhs_contracting_dims", ()),
+        nums.get("rhs_batch_dims", ()),
+        nums.get("rhs_contracting_dims", ()),
+      )
+    ] += 1
+  return out
+
+
+def dot_call(d: Dot):
+  """A jitted ``lax.dot_general`` of ``d``'s shapes on random operands: a no-argument call."""
+  dt = {"f32": np.float32, "bf16": jax.numpy.bfloat16, "f16": np.float16}[d.dtype]
+  x = jax.random.normal(jax.random.PRNGKey(0), d.lhs, dt)
+  y = jax.random.normal(jax.random.PRNGKey(1), d.rhs, dt)
+  nums = ((d.lhs_contract, d.rhs_contract), (d.lhs_batch, d.rhs_batch))
+  f = jax.jit(lambda a, b: lax.dot_general(a, b, nums))
+  jax.block_until_ready(f(x, y))
+  return lambda: f(x, y)
+
+
+def mixer_dots(base: list[str], mixer: str, n: int) -> tuple[Counter, float]:
+  """``(Counter({Dot: count}), step_bench's model FLOPs)`` of one mixer's compiled step."""
+  extra = [f"model.mixer_options.n={n}"] if mixer != "residual" else []
+  # model.scan=false: every dot once in the HLO, no while loop to count through
+  cfg = load_config(None, base + [f"model.mixer={mixer}", *extra, "model.scan=false"])
+  fn, state, batch = step_bench.build(cfg, "loop")
+  tokens = cfg.data.batch_size * cfg.data.seq_len
+  return hlo_dots(fn.lower(state, batch).compile().as_text()), step_bench.model_flops(
+    cfg, tokens, cfg.data.seq_len
+  )
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--mixers", default="residual", help="comma list, timed in one process")
+  step_bench.add_shape_args(ap, steps=9)
+  args = ap.parse_args(argv)
+  mixers = [m for m in args.mixers.split(",") if m]
+  mkn = step_bench.parse_matmul(args.matmul)
+  if mkn is None:
+    return 2
+  base = step_bench.shape_overrides(args)
+  try:  # a bad --set or mixer is one clear message before anything compiles
+    for m in mixers:
+      load_config(None, base + [f"model.mixer={m}"])
+  except ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  per = {m: mixer_dots(base, m, args.n) for m in mixers}
+  ref, ref_flops = step_bench.matmul_fn(*mkn)
+  one = jax.numpy.zeros(())
+  add = jax.jit(lambda a: a + 1)
+  calls = {"ref": ref, "dispatch": lambda: add(one)}
+  for dots, _ in per.values():
+    calls.update({d: dot_call(d) for d in dots if d not in calls})
+  times = round_robin(calls, args.steps, args.warmup)
+  rates = [ref_flops / t for t in times["ref"]]  # FLOP/s of the reference, per round
+  disp = times["dispatch"]
+  net = {d: [max(a - b, 0.0) for a, b in zip(times[d], disp)] for d in calls}  # less a dispatch
+  print(f"reference matmul {'x'.join(map(str, mkn))}: {statistics.median(rates) / 1e9:.1f} GFLOP/s")
+  print(
+    f"dispatch of a jitted scalar add: {statistics.median(disp) * 1e6:.0f} us (in every dot's time)"
+  )
+  alone = {}
+  for m, (dots, model) in per.items():
+    executed = sum(d.flops * c for d, c in dots.items())
+    print(
+      f"\n{m}: {sum(dots.values())} dots in the compiled step ({len(dots)} distinct), "
+      f"{executed / 1e9:.2f} GFLOP executed; step_bench's model FLOPs {model / 1e9:.2f} GFLOP"
+    )
+    print("  ms/step  count  GFLOP/s  of ref  dot")
+    rows = sorted(((c * statistics.median(times[d]), d, c) for d, c in dots.items()), reverse=True)
+    for total, d, c in rows:
+      share = statistics.median(d.flops / a / r for a, r in zip(times[d], rates))
+      print(
+        f"{total * 1e3:9.1f}  {c:5d}  {d.flops * c / total / 1e9:7.1f}  {share:6.2f}  {d.label()}"
+      )
+    for name, ts in (("as timed", times), ("less one dispatch per dot", net)):
+      step = [sum(c * ts[d][i] for d, c in dots.items()) for i in range(args.steps)]
+      alone[m, name] = step
+      ceiling = statistics.median(model / s / r for s, r in zip(step, rates) if s > 0)
+      print(
+        f"  dots alone, {name}: {statistics.median(step) * 1e3:.0f} ms a step; ceiling of "
+        f"step_bench's share: {ceiling:.2f} of the reference matmul"
+      )
+  if "residual" in mixers:
+    for m in mixers:
+      if m != "residual":
+        q = statistics.median(
+          a / b for a, b in zip(alone[m, "as timed"], alone["residual", "as timed"])
+        )
+        print(f"{m} / residual, dots alone (as timed): {q:.2f}")
+  return 0
+
+
+if __name__ == "__main__":
+  hostmem.ensure()  # malloc with huge pages, as step_bench and mhc-jax run (mhc_jax/hostmem.py)
+  sys.exit(main())
