@@ -120,6 +120,26 @@ def dot_call(d: Dot):
   return lambda: f(x, y)
 
 
+def time_dots(dot_sets: list[Counter], steps: int, warmup: int, extra: dict | None = None) -> dict:
+  """``{Dot or name: [seconds per round]}``: every distinct dot of ``dot_sets``, a jitted scalar
+  add (``"dispatch"``) and the ``extra`` calls, timed round-robin (timing.round_robin)."""
+  one = jax.numpy.zeros(())
+  add = jax.jit(lambda a: a + 1)
+  calls = dict(extra or {}, dispatch=lambda: add(one))
+  for dots in dot_sets:
+    calls.update({d: dot_call(d) for d in dots if d not in calls})
+  return round_robin(calls, steps, warmup)
+
+
+def alone_per_round(dots: Counter, times: dict, net: bool = False) -> list[float]:
+  """Each round's sum of count x time over ``dots``; ``net``: less one dispatch per dot."""
+  disp = times["dispatch"]
+  return [
+    sum(c * (max(times[d][i] - disp[i], 0.0) if net else times[d][i]) for d, c in dots.items())
+    for i in range(len(disp))
+  ]
+
+
 def mixer_dots(base: list[str], mixer: str, n: int) -> tuple[Counter, float]:
   """``(Counter({Dot: count}), step_bench's model FLOPs)`` of one mixer's compiled step."""
   extra = [f"model.mixer_options.n={n}"] if mixer != "residual" else []
@@ -150,18 +170,12 @@ def main(argv=None) -> int:
     return 2
   per = {m: mixer_dots(base, m, args.n) for m in mixers}
   ref, ref_flops = step_bench.matmul_fn(*mkn)
-  one = jax.numpy.zeros(())
-  add = jax.jit(lambda a: a + 1)
-  calls = {"ref": ref, "dispatch": lambda: add(one)}
-  for dots, _ in per.values():
-    calls.update({d: dot_call(d) for d in dots if d not in calls})
-  times = round_robin(calls, args.steps, args.warmup)
+  times = time_dots([d for d, _ in per.values()], args.steps, args.warmup, {"ref": ref})
   rates = [ref_flops / t for t in times["ref"]]  # FLOP/s of the reference, per round
-  disp = times["dispatch"]
-  net = {d: [max(a - b, 0.0) for a, b in zip(times[d], disp)] for d in calls}  # less a dispatch
   print(f"reference matmul {'x'.join(map(str, mkn))}: {statistics.median(rates) / 1e9:.1f} GFLOP/s")
   print(
-    f"dispatch of a jitted scalar add: {statistics.median(disp) * 1e6:.0f} us (in every dot's time)"
+    f"dispatch of a jitted scalar add: {statistics.median(times['dispatch']) * 1e6:.0f} us "
+    "(in every dot's time)"
   )
   alone = {}
   for m, (dots, model) in per.items():
@@ -177,8 +191,8 @@ def main(argv=None) -> int:
       print(
         f"{total * 1e3:9.1f}  {c:5d}  {d.flops * c / total / 1e9:7.1f}  {share:6.2f}  {d.label()}"
       )
-    for name, ts in (("as timed", times), ("less one dispatch per dot", net)):
-      step = [sum(c * ts[d][i] for d, c in dots.items()) for i in range(args.steps)]
+    for name, net in (("as timed", False), ("less one dispatch per dot", True)):
+      step = alone_per_round(dots, times, net)
       alone[m, name] = step
       ceiling = statistics.median(model / s / r for s, r in zip(step, rates) if s > 0)
       print(

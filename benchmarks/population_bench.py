@@ -7,6 +7,7 @@ against P separate jitted steps (what P separate runs execute).
     python benchmarks/population_bench.py --set model.remat=none     # any config override
     python benchmarks/population_bench.py --modes vmap               # one population mode only
     python benchmarks/population_bench.py --parts      # and where each program's op time goes
+    python benchmarks/population_bench.py --dots       # and the programs' dots alone
 
 Every side runs the same train step (train.step.make_train_step, per-layer diagnostics off) on
 the same batch, on whatever devices JAX sees (mesh from the config: data-parallel over all).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import dot_ceiling
 import jax
 import numpy as np
 import step_profile
@@ -54,6 +56,12 @@ def main(argv=None) -> None:
     action="store_true",
     help="then profile each population mode and one run's step: op time by part of the model "
     "(benchmarks/step_profile.py)",
+  )
+  ap.add_argument(
+    "--dots",
+    action="store_true",
+    help="then time each program's dots alone (benchmarks/dot_ceiling.py): the speed-up the "
+    "population's matrix products give by themselves",
   )
   args = ap.parse_args(argv)
   modes = [m for m in args.modes.split(",") if m]
@@ -160,6 +168,43 @@ def main(argv=None) -> None:
       total, _, places = step_profile.op_times(lambda k=k: jax.block_until_ready(calls[k]()), text)
       print(f"-- {k}, one step under jax.profiler")
       step_profile.print_parts(total, places, step_profile.sliced_fusions(text))
+  if args.dots:
+    dots_alone(cfg, setups, mesh, batch, modes, args)
+
+
+def dots_alone(cfg, setups, mesh, batch, modes, args) -> None:
+  """Each population mode's dots and one run's, read from the loop-form programs (every dot
+  once in the HLO) and timed alone round-robin: P x one run's dots over the population's."""
+  p = len(setups)
+  cfg = with_overrides(cfg, {"model.scan": False})
+  lr_arr = jax.device_put(np.asarray([s.cfg.optim.lr for s in setups], np.float32))
+  active = jax.device_put(np.ones(p, bool))
+  sets = {}
+  for mode in modes:
+    mcfg = with_overrides(cfg, {"train.population_mode": mode})
+    prog = population.programs(mcfg, mesh, p, stacked_batch=False)
+    state = prog.init_all([with_overrides(s.cfg, {"model.scan": False}) for s in setups])
+    text = prog.step.lower(state, lr_arr, active, batch, False).compile().as_text()
+    sets[f"population ({mode})"] = dot_ceiling.hlo_dots(text)
+  tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+  state, _ = create_state(prog.model, prog.example, tx, mesh, cfg.train.seed)
+  step = jax.jit(make_train_step(prog.model, tx, schedule, cfg), static_argnums=2)
+  sets["run"] = dot_ceiling.hlo_dots(step.lower(state, batch, False).compile().as_text())
+  times = dot_ceiling.time_dots(list(sets.values()), args.steps, args.warmup)
+  for net in (False, True):  # as timed; less one dispatch of a jitted call per dot
+    seq = [p * t for t in dot_ceiling.alone_per_round(sets["run"], times, net)]
+    print(
+      f"-- dots alone{', less one dispatch per dot' if net else ''} (benchmarks/dot_ceiling.py): "
+      f"one run {sum(sets['run'].values())} dots, {statistics.median(seq) / p * 1e3:.1f} ms; "
+      f"{p} runs {statistics.median(seq) * 1e3:.1f} ms"
+    )
+    for k in sets:
+      if k != "run":
+        pop = dot_ceiling.alone_per_round(sets[k], times, net)
+        print(
+          f"{k}: {sum(sets[k].values())} dots, {statistics.median(pop) * 1e3:.1f} ms, speed-up "
+          f"{statistics.median(a / b for a, b in zip(seq, pop)):.2f}x over the {p} runs' dots"
+        )
 
 
 if __name__ == "__main__":

@@ -231,3 +231,15 @@ def test_dot_ceiling_counts_the_residual_steps_dots():
 def test_dot_ceiling_bad_input_exits_2(argv, msg, capsys):
   assert dot_ceiling.main(TOY + argv) == 2
   assert msg in capsys.readouterr().err
+
+
+def test_dots_alone_sums_count_times_time_per_round():
+  from collections import Counter
+
+  d = dot_ceiling.Dot("f32", (8, 16), (16, 4), (), (1,), (), (0,))
+  times = dot_ceiling.time_dots([Counter({d: 3})], steps=2, warmup=0)
+  assert set(times) == {d, "dispatch"} and all(len(v) == 2 for v in times.values())
+  as_timed = dot_ceiling.alone_per_round(Counter({d: 3}), times)
+  assert as_timed == [3 * t for t in times[d]]
+  net = dot_ceiling.alone_per_round(Counter({d: 3}), times, net=True)
+  assert net == [3 * max(t - s, 0.0) for t, s in zip(times[d], times["dispatch"])]
