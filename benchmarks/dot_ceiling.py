@@ -18,7 +18,12 @@ count x time, and
 
 is the largest "of matmul" share step_bench could report for this step if every other op
 (norms, softmax, GELU, the mixers, the optimiser) were free. A small dot's time includes one
-dispatch of a jitted call; ``dispatch`` (a jitted scalar add) is printed for scale.
+dispatch of a jitted call (``dispatch``, a jitted scalar add, is timed in the same rounds), so
+the ceiling is printed as timed and less one dispatch per dot. With ``--mixers`` naming
+residual and others, each one's dots-alone time over residual's is a floor under step_bench's
+mixer ratios as long as the mixers' other work is not free. On the 2-core CPU the default run
+takes about a minute, four mixers about four; docs/performance.md ("The dots alone") has
+the figures.
 """
 
 from __future__ import annotations
