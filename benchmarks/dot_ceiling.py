@@ -21,7 +21,8 @@ is the largest "of matmul" share step_bench could report for this step if every 
 dispatch of a jitted call (``dispatch``, a jitted scalar add, is timed in the same rounds), so
 the ceiling is printed as timed and less one dispatch per dot. With ``--mixers`` naming
 residual and others, each one's dots-alone time over residual's is a floor under step_bench's
-mixer ratios as long as the mixers' other work is not free. On the 2-core CPU the default run
+mixer ratio whenever the mixer's other work grows at least as much over residual's (its
+element-wise passes run over the n-times wider stream state). On the 2-core CPU the default run
 takes about a minute, four mixers about four; docs/performance.md ("The dots alone") has
 the figures.
 """
