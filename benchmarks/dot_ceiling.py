@@ -148,9 +148,9 @@ def alone_per_round(dots: Counter, times: dict, net: bool = False) -> list[float
 
 def mixer_dots(base: list[str], mixer: str, n: int) -> tuple[Counter, float]:
   """``(Counter({Dot: count}), step_bench's model FLOPs)`` of one mixer's compiled step."""
-  extra = [f"model.mixer_options.n={n}"] if mixer != "residual" else []
   # model.scan=false: every dot once in the HLO, no while loop to count through
-  cfg = load_config(None, base + [f"model.mixer={mixer}", *extra, "model.scan=false"])
+  extra = [f"model.mixer={mixer}", *step_bench.streams(mixer, n), "model.scan=false"]
+  cfg = load_config(None, base + extra)
   fn, state, batch = step_bench.build(cfg, "loop")
   tokens = cfg.data.batch_size * cfg.data.seq_len
   return hlo_dots(fn.lower(state, batch).compile().as_text()), step_bench.model_flops(

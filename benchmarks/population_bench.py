@@ -177,8 +177,9 @@ def dots_alone(cfg, setups, mesh, batch, modes, args) -> None:
   once in the HLO) and timed alone round-robin: P x one run's dots over the population's."""
   p = len(setups)
   cfg = with_overrides(cfg, {"model.scan": False})
-  lr_arr = jax.device_put(np.asarray([s.cfg.optim.lr for s in setups], np.float32))
-  active = jax.device_put(np.ones(p, bool))
+  rep = sh.replicated(mesh)
+  lr_arr = jax.device_put(np.asarray([s.cfg.optim.lr for s in setups], np.float32), rep)
+  active = jax.device_put(np.ones(p, bool), rep)
   sets = {}
   for mode in modes:
     mcfg = with_overrides(cfg, {"train.population_mode": mode})
@@ -186,9 +187,10 @@ def dots_alone(cfg, setups, mesh, batch, modes, args) -> None:
     state = prog.init_all([with_overrides(s.cfg, {"model.scan": False}) for s in setups])
     text = prog.step.lower(state, lr_arr, active, batch, False).compile().as_text()
     sets[f"population ({mode})"] = dot_ceiling.hlo_dots(text)
+  model, example = prog.model, prog.example  # the loop-form model, the same in every mode
   tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
-  state, _ = create_state(prog.model, prog.example, tx, mesh, cfg.train.seed)
-  step = jax.jit(make_train_step(prog.model, tx, schedule, cfg), static_argnums=2)
+  state, _ = create_state(model, example, tx, mesh, cfg.train.seed)
+  step = jax.jit(make_train_step(model, tx, schedule, cfg), static_argnums=2)
   sets["run"] = dot_ceiling.hlo_dots(step.lower(state, batch, False).compile().as_text())
   times = dot_ceiling.time_dots(list(sets.values()), args.steps, args.warmup)
   for net in (False, True):  # as timed; less one dispatch of a jitted call per dot

@@ -269,6 +269,11 @@ def shape_overrides(args) -> list[str]:
   ]
 
 
+def streams(mixer: str, n: int) -> list[str]:
+  """The ``--n`` override for a multi-stream mixer (residual takes none)."""
+  return [f"model.mixer_options.n={n}"] if mixer != "residual" else []
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--mixers", default="residual,hc,mhc,mhc_lite")
@@ -314,7 +319,7 @@ def main(argv=None) -> int:
         and not args.all_variants
       ):
         continue
-      ov = base + ([f"model.mixer_options.n={args.n}"] if mixer != "residual" else [])
+      ov = base + streams(mixer, args.n)
       try:
         prepared.append(prepare_row(ov, mixer, variant))
       except Exception as e:  # a mixer that cannot run this shape: say so, keep going
