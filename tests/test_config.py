@@ -88,6 +88,7 @@ def test_defaults():
   assert c.model.vocab is None and c.model.depth == 4 and c.model.mixer == "residual"
   assert c.optim.lr == 3e-3 and c.optim.clip == 1.0 and c.train.steps == 200
   assert (c.mesh.data, c.mesh.fsdp, c.mesh.tensor) == (-1, 1, 1)
+  assert c.model.attention == "auto"
 
 
 # ---------------------------------------------------------------------------- overrides
@@ -270,6 +271,12 @@ def test_frozen_and_replace_revalidates():
     (["model.mixer=mhc", "model.mixer_options.collapse=mean"], "model.mixer_options.collapse"),
     (["model.mixer_options=4"], "model.mixer_options: expected mapping, got int 4"),
     (["model.width=30", "model.heads=2"], "model.rope: needs an even head dim"),
+    (["model.attention=flash"], "model.attention: expected one of 'auto', 'xla', 'cudnn'"),
+    (["model.attention=cudnn"], "model.attention: 'cudnn' needs model.dtype=bfloat16"),
+    (
+      ["model.attention=cudnn", "model.dtype=bfloat16", "model.width=36", "model.heads=3"],
+      "a head dim that is a multiple of 8, got bfloat16 and 12",
+    ),
     (["optim.warmup_steps=-1"], "optim.warmup_steps: must be >= 0"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay: must be >= 0"),
     (

@@ -86,8 +86,121 @@ def causal_attention(q_BHTD, k_BHSD, v_BHSD, chunk=None, with_probs=False, dtype
   return cat(ys), jnp.max(jnp.stack(maxes)), cat(probs) if with_probs else None
 
 
+ATTENTION = ("auto", "xla", "cudnn", "materialized")  # model.attention's choices
+
+# The "xla" value path: at most this many queries per chunk before the chunks go through
+# ``jax.lax.map`` (see ``xla_attention``).
+ATTN_CHUNK = 256
+
+
+def auto_attention(dtype, head_dim: int) -> str:
+  """What ``model.attention: auto`` resolves to on this process's default backend.
+
+  ``cudnn`` (cuDNN's fused flash attention) on an NVIDIA GPU when the compute dtype is bfloat16
+  or float16 and the head dim is one cuDNN takes on every GPU generation (a multiple of 8 up to
+  128); ``xla`` everywhere else (the CPU, TPUs, float32 runs).
+  """
+  dev = jax.devices()[0]
+  nvidia = dev.platform in ("gpu", "cuda") and "nvidia" in dev.device_kind.lower()
+  half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+  return "cudnn" if nvidia and half and head_dim % 8 == 0 and head_dim <= 128 else "xla"
+
+
+def resolve_attention(name: str, dtype, head_dim: int) -> str:
+  """``name`` (one of ``ATTENTION``) with ``auto`` replaced by ``auto_attention``."""
+  if name not in ATTENTION:
+    raise ValueError(f"unknown attention {name!r}; known: {', '.join(ATTENTION)}")
+  return auto_attention(dtype, head_dim) if name == "auto" else name
+
+
+def _dpa_xla(q, k, v, q0: int | jax.Array):
+  """``jax.nn.dot_product_attention`` (XLA) of queries at positions ``q0 + i`` against keys
+  ``0..S-1``: causal for any query offset (``is_causal`` alone aligns query 0 with key 0)."""
+  tq, s = q.shape[1], k.shape[1]
+  mask = (q0 + jnp.arange(tq))[:, None] >= jnp.arange(s)[None, :]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation="xla")
+
+
+def xla_attention(q_BTHD, k_BTHD, v_BTHD):
+  """Causal attention through ``jax.nn.dot_product_attention(implementation="xla")``.
+
+  ``[..., T, H, D]`` in and out. The heads are folded into the batch (``[B*H, T, 1, D]``): XLA's
+  CPU dots ran the score products 1.4x faster (fwd + bwd) with the batch axes leading than in
+  ``[B, T, H, D]`` (the layout of ``benchmarks/layer_bench.py``'s finding). The queries go in
+  chunks, so the ``[T, T]`` scores never exist whole:
+
+  - up to ``2 * ATTN_CHUNK`` tokens, ``query_chunk(T)`` queries per chunk, unrolled, each chunk
+    scoring only the keys up to its last query (the fastest form on the CPU at T = 256; the
+    program's memory still grows as T^2, being small there);
+  - longer sequences, chunks of ``ATTN_CHUNK`` queries through ``jax.lax.map`` with each chunk
+    rematerialised in the backward (``jax.checkpoint``), each scoring every key under the causal
+    mask: the compiled program holds one chunk's ``[ATTN_CHUNK, T]`` scores at a time, so its
+    memory grows linearly in T (unrolled chunks did not bound it: XLA kept every chunk's scores
+    for the backward, remat or not). The masked keys cost arithmetic, not memory.
+
+  The dropped or masked keys get probability exactly 0, so the outputs are those of the dense
+  form; scores and softmax are float32 (bfloat16 inputs: bf16 products with f32 accumulation).
+  """
+  *lead, t, h, d = q_BTHD.shape
+
+  def fold(a):  # [..., T, H, D] -> [N*H, T, 1, D]
+    a = jnp.swapaxes(a.reshape(-1, t, h, d), 1, 2)
+    return a.reshape(-1, t, 1, d)
+
+  q, k, v = fold(q_BTHD), fold(k_BTHD), fold(v_BTHD)
+  if t <= 2 * ATTN_CHUNK:
+    chunk = query_chunk(t)
+    ys = []
+    for s0 in range(0, t, chunk):
+      e = min(s0 + chunk, t)
+      ys.append(_dpa_xla(q[:, s0:e], k[:, :e], v[:, :e], s0))
+    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=1)
+  else:
+    c = ATTN_CHUNK
+    n = -(-t // c)
+    q = jnp.pad(q, [(0, 0), (0, n * c - t), (0, 0), (0, 0)])  # padded queries: sliced off below
+    q_nXc = jnp.swapaxes(q.reshape(q.shape[0], n, c, 1, d), 0, 1)
+
+    @jax.checkpoint
+    def one(args):
+      i, q_c = args
+      return _dpa_xla(q_c, k, v, i * c)
+
+    y = jax.lax.map(one, (jnp.arange(n), q_nXc))
+    y = jnp.swapaxes(y, 0, 1).reshape(-1, n * c, 1, d)[:, :t]
+  y = jnp.swapaxes(y.reshape(-1, h, t, d), 1, 2)
+  return y.reshape(*lead, t, h, d)
+
+
+def causal_logit_max(q_BTHD, k_BTHD) -> jax.Array:
+  """The largest causal pre-softmax logit ``q·k / sqrt(D)`` (float32, no gradient), computed in
+  query chunks of ``ATTN_CHUNK`` that each score only the keys up to their last query; under
+  ``jit`` XLA frees each chunk's scores once reduced. Only diagnostic steps compute it."""
+  q, k = (jax.lax.stop_gradient(jnp.swapaxes(a, -3, -2)) for a in (q_BTHD, k_BTHD))
+  t, d = q.shape[-2], q.shape[-1]
+  maxes = []
+  for s0 in range(0, t, ATTN_CHUNK):
+    e = min(s0 + ATTN_CHUNK, t)
+    s = jnp.einsum(
+      "...htd,...hsd->...hts", q[..., s0:e, :], k[..., :e, :], preferred_element_type=jnp.float32
+    )
+    causal = jnp.arange(s0, e)[:, None] >= jnp.arange(e)[None, :]
+    maxes.append(jnp.max(jnp.where(causal, s, -jnp.inf)))
+  return jnp.max(jnp.stack(maxes)) / math.sqrt(d)
+
+
 class Attention(nn.Module):
-  """Causal multi-head self-attention. Returns ``(y_BTC, max pre-softmax logit)``."""
+  """Causal multi-head self-attention. Returns ``(y_BTC, max pre-softmax logit or None)``.
+
+  ``implementation`` (``model.attention``): ``xla`` (``xla_attention``), ``cudnn`` (cuDNN's fused
+  flash attention through ``jax.nn.dot_product_attention``: NVIDIA GPUs, bfloat16/float16),
+  ``auto`` (``auto_attention``: cuDNN where it applies, else XLA), ``materialized``
+  (``causal_attention``: the ``[T, T]`` scores in two query chunks, the model's own form
+  before the fused paths, kept for comparison). ``logit_max``: also return the largest causal pre-softmax
+  logit (``causal_logit_max``, a separate score product: diagnostic steps only); False: None.
+  When ``intermediates`` is mutable (probes, evaluation) the full ``[B, H, T, T]``
+  probabilities are sown as ``attn``, computed apart from the value path.
+  """
 
   heads: int
   use_rope: bool = True
@@ -95,6 +208,8 @@ class Attention(nn.Module):
   dtype: Dtype = jnp.float32
   out_scale: float = 1.0
   init_scale: float = 1.0
+  implementation: str = "auto"
+  logit_max: bool = True
 
   @nn.compact
   def __call__(self, x_BTC, value_fn=None):
@@ -127,17 +242,27 @@ class Attention(nn.Module):
       q, k = rope(q), rope(k)
     self.sow("intermediates", "q", q)
     self.sow("intermediates", "k", k)
-    # Heads before time ([B, H, T, D]) for the two score products: batched matmuls whose batch
-    # axes lead, which XLA's CPU dots ran 1.38x faster (fwd + bwd) than the same einsums over
-    # [B, T, H, D] (benchmarks/layer_bench.py); the same forward, gradients equal to rounding.
-    q_BHTD, k_BHSD, v_BHSD = (jnp.swapaxes(a, -3, -2) for a in (q, k, v))
-    keep_probs = self.is_mutable_collection("intermediates")  # the full T x T only when sown
-    y_BHTD, logit_max, probs = causal_attention(
-      q_BHTD, k_BHSD, v_BHSD, query_chunk(q.shape[-3]), keep_probs, self.dtype
-    )
-    if keep_probs:
+    impl = resolve_attention(self.implementation, self.dtype, d)
+    if impl == "materialized":
+      # Heads before time ([B, H, T, D]) for the two score products: batched matmuls whose
+      # batch axes lead, which XLA's CPU dots ran 1.38x faster (fwd + bwd) than the same einsums
+      # over [B, T, H, D] (benchmarks/layer_bench.py).
+      q_BHTD, k_BHSD, v_BHSD = (jnp.swapaxes(a, -3, -2) for a in (q, k, v))
+      y_BHTD, _, _ = causal_attention(
+        q_BHTD, k_BHSD, v_BHSD, query_chunk(q.shape[-3]), False, self.dtype
+      )
+      y_BTHD = jnp.swapaxes(y_BHTD, -3, -2)
+    elif impl == "xla":
+      y_BTHD = xla_attention(q, k, v)
+    else:  # cudnn: [B, T, H, D] is its layout; leading axes beyond B folded into B
+      t = q.shape[-3]
+      q4, k4, v4 = (a.reshape((-1, t, self.heads, d)) for a in (q, k, v))
+      y_BTHD = jax.nn.dot_product_attention(q4, k4, v4, is_causal=True, implementation="cudnn")
+      y_BTHD = y_BTHD.reshape(q.shape)
+    if self.is_mutable_collection("intermediates"):  # probes: the full T x T, apart
+      swap = lambda a: jnp.swapaxes(jax.lax.stop_gradient(a), -3, -2)
+      _, _, probs = causal_attention(swap(q), swap(k), swap(v), None, True, self.dtype)
       self.sow("intermediates", "attn", probs)
-    y_BTHD = jnp.swapaxes(y_BHTD, -3, -2)
     y_NHD = y_BTHD.reshape((-1,) + y_BTHD.shape[-2:])
     out = nn.DenseGeneral(
       c,
@@ -149,6 +274,7 @@ class Attention(nn.Module):
         kernel_init(self.init_scale * self.out_scale), ("heads", "kv", "embed")
       ),
     )(y_NHD)
+    logit_max = causal_logit_max(q, k) if self.logit_max else None
     return out.reshape(x_BTC.shape), logit_max
 
 

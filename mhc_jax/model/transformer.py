@@ -95,7 +95,17 @@ class Block(nn.Module):
     pre_norm = type(attn_mix).pre_norm
     attn_norm = RMSNorm(dt, name="attn_norm") if pre_norm else (lambda h: h)
     mlp_norm = RMSNorm(dt, name="mlp_norm") if pre_norm else (lambda h: h)
-    attn = Attention(cfg.heads, cfg.rope, cfg.qk_norm, dt, out_scale, cfg.init_scale, name="attn")
+    attn = Attention(
+      cfg.heads,
+      cfg.rope,
+      cfg.qk_norm,
+      dt,
+      out_scale,
+      cfg.init_scale,
+      implementation=getattr(cfg, "attention", "auto"),
+      logit_max=self.stats,  # a separate score product: diagnostic steps only
+      name="attn",
+    )
     mlp = MLP(int(cfg.width * cfg.mlp_ratio), dt, out_scale, cfg.init_scale, name="mlp")
     logit_max = []
 

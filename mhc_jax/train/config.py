@@ -320,6 +320,10 @@ class ModelConfig(_Section):
   scan: bool = True
   scan_unroll: int = 1  # blocks per nn.scan iteration (>1 trades compile time for speed)
   dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+  # the attention's value path (mhc_jax/model/layers.py, docs/performance.md): "auto" picks
+  # "cudnn" (cuDNN flash attention) on NVIDIA GPUs in bfloat16, "xla" elsewhere; both through
+  # jax.nn.dot_product_attention. "materialized": the [T, T] scores, for comparison.
+  attention: Literal["auto", "xla", "cudnn", "materialized"] = "auto"
   param_dtype: Literal["float32"] = "float32"  # parameters and optimiser state stay float32
   init: Literal["standard", "depth_scaled"] = "standard"
   init_scale: float = 1.0
@@ -343,6 +347,12 @@ class ModelConfig(_Section):
       "model.rope",
       f"needs an even head dim, got model.width/model.heads = {self.width}/{self.heads}"
       f" = {head_dim}",
+    )
+    _require(
+      self.attention != "cudnn" or (self.dtype == "bfloat16" and head_dim % 8 == 0),
+      "model.attention",
+      f"'cudnn' needs model.dtype=bfloat16 and a head dim that is a multiple of 8, got"
+      f" {self.dtype} and {head_dim} (model.attention: auto falls back to xla by itself)",
     )
     _require(
       int(self.width * self.mlp_ratio) >= 1,
