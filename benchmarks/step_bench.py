@@ -32,6 +32,14 @@ about 10 minutes; nothing else should run then. Each row also reports its median
 faults and kernel (system) CPU seconds per step (warm-up rounds included). The benchmark
 re-executes itself with huge-page malloc as ``mhc-jax`` does (``mhc_jax/hostmem.py``);
 ``MHC_JAX_HUGEPAGES=0`` runs it without, for an A/B across processes.
+
+The accelerator check (``benchmarks/gpu_check.sh``) adds ``--matmul-dtype bfloat16`` (the
+reference matmul in bf16, so "of matmul" is the MFU against the device's own bf16 matmul rate),
+``--attention BxHxTxD`` (attention's forward + backward alone, each ``model.attention``
+formulation side by side: ``materialized``, ``xla``, jax's own XLA form over the whole ``[T, T]``
+scores, ``cudnn`` where the device has it; with XLA's count of each program's temporary memory)
+and ``--json`` (everything, rewritten after each part, so a run stopped by a time limit keeps
+what it measured); at the end a markdown table of the rows with their ratio to residual.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from timing import median_time, round_robin, timed
 
 from mhc_jax import hostmem
 from mhc_jax.errors import ConfigError
-from mhc_jax.model import Transformer
+from mhc_jax.model import Transformer, layers
 from mhc_jax.train.config import load_config
 from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import State
@@ -64,20 +72,108 @@ VARIANTS = ("scan", "loop", "diag", "bf16")
 MATMUL = (2048, 1024, 4096)  # the reference matmul's [m, k] @ [k, n] (--matmul)
 
 
-def matmul_fn(m: int, k: int, n: int):
-  """``(call, flops)``: one dense float32 ``[m, k] @ [k, n]`` matmul, jitted and warmed up."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32)
-  b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32)
+def matmul_fn(m: int, k: int, n: int, dtype=jnp.float32):
+  """``(call, flops)``: one dense ``[m, k] @ [k, n]`` matmul in ``dtype``, jitted and warmed up."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (m, k), dtype)
+  b = jax.random.normal(jax.random.PRNGKey(1), (k, n), dtype)
   f = jax.jit(jnp.matmul)
   jax.block_until_ready(f(a, b))
   return (lambda: f(a, b)), 2 * m * k * n
 
 
-def matmul_rate(steps: int = 10, mkn=MATMUL) -> float:
+def matmul_rate(steps: int = 10, mkn=MATMUL, dtype=jnp.float32) -> float:
   """GFLOP/s of the dense matmul of ``matmul_fn`` in this process (median of ``steps``)."""
-  call, flops = matmul_fn(*mkn)
+  call, flops = matmul_fn(*mkn, dtype=dtype)
   _, t = median_time(call, steps, 3)
   return flops / t / 1e9
+
+
+ATTENTION_IMPLS = ("materialized", "xla", "jax_xla", "cudnn")
+
+
+def attention_fn(impl: str):
+  """Causal attention ``[B, T, H, D] -> [B, T, H, D]`` as ``model.attention: impl`` computes
+  it (mhc_jax/model/layers.py); ``jax_xla`` is ``jax.nn.dot_product_attention``'s own XLA form
+  over the whole ``[T, T]`` scores, for reference."""
+  sw = lambda a: jnp.swapaxes(a, -3, -2)
+  if impl == "materialized":
+    return lambda q, k, v: sw(
+      layers.causal_attention(sw(q), sw(k), sw(v), layers.query_chunk(q.shape[-3]), False, q.dtype)[
+        0
+      ]
+    )
+  if impl == "xla":
+    return layers.xla_attention
+  if impl in ("jax_xla", "cudnn"):
+    name = "xla" if impl == "jax_xla" else "cudnn"
+    return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, implementation=name
+    )
+  raise ValueError(f"unknown attention {impl!r}; known: {', '.join(ATTENTION_IMPLS)}")
+
+
+def attention_rows(
+  shape: tuple, dtype, steps: int, warmup: int, impls=ATTENTION_IMPLS
+) -> list[dict]:
+  """Attention's forward + backward alone at ``shape = (B, H, T, D)``, each formulation of
+  ``impls`` jitted (the loss ``sum(y)`` in float32, gradients for q, k and v) and timed
+  round-robin: ``{"impl", "fwd_bwd_ms", "temp_mib", "tflop_per_s"}``, or ``{"impl", "error"}``
+  for one this device cannot run (cuDNN off NVIDIA GPUs). FLOPs: the causal half of the dense
+  score and value products, forward (4 B H T^2 D / 2) and backward (twice that)."""
+  b, h, t, d = shape
+  ks = jax.random.split(jax.random.PRNGKey(3), 3)
+  q, k, v = (jax.random.normal(a, (b, t, h, d), dtype) for a in ks)
+  rows, calls = {}, {}
+  for impl in impls:
+    f = attention_fn(impl)
+    loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32))
+    try:
+      exe = jax.jit(jax.grad(loss, (0, 1, 2))).lower(q, k, v).compile()
+      jax.block_until_ready(exe(q, k, v))
+    except Exception as e:  # e.g. no cuDNN here: the row says so
+      rows[impl] = {"impl": impl, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+      continue
+    mem = exe.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", None) if mem is not None else None
+    rows[impl] = {"impl": impl, "temp_mib": None if temp is None else round(temp / 2**20, 2)}
+    calls[impl] = lambda exe=exe: exe(q, k, v)
+  flops = 3 * 4 * b * h * t * t * d / 2
+  for impl, ts in round_robin(calls, steps, warmup).items():
+    med = statistics.median(ts)
+    rows[impl] |= {"fwd_bwd_ms": round(med * 1e3, 3), "tflop_per_s": round(flops / med / 1e12, 3)}
+  return [rows[i] for i in impls]
+
+
+def print_attention(rows: list[dict], shape: tuple, dtype) -> None:
+  b, h, t, d = shape
+  print(f"\nattention forward + backward, {b} x {h} heads x {t} x {d}, {jnp.dtype(dtype).name}:")
+  ok = [r for r in rows if "fwd_bwd_ms" in r]
+  base = next((r["fwd_bwd_ms"] for r in ok if r["impl"] == "materialized"), None)
+  for r in rows:
+    if "error" in r:
+      print(f"  {r['impl']:>13}  not run: {r['error']}")
+      continue
+    vs = f"  {base / r['fwd_bwd_ms']:.2f}x materialized's speed" if base else ""
+    print(
+      f"  {r['impl']:>13}  {r['fwd_bwd_ms']:8.3f} ms  {r['tflop_per_s']:7.2f} TFLOP/s  "
+      f"temp {r['temp_mib']} MiB{vs}"
+    )
+
+
+def print_table(rows: list[dict], matmul_dtype: str) -> None:
+  """The rows as a markdown table: step, tokens/s, model TFLOP/s, MFU (of the reference matmul's
+  rate in ``matmul_dtype``, same rounds) and the step's ratio to residual's (same variant)."""
+  print(
+    f"\n| mixer | variant | step | tokens/s | model TFLOP/s | MFU (vs {matmul_dtype} matmul) "
+    "| vs residual |\n| --- | --- | --- | --- | --- | --- | --- |"
+  )
+  for r in rows:
+    q = paired(rows, (r["mixer"], r["variant"]), ("residual", r["variant"]))
+    print(
+      f"| {r['mixer']} | {r['variant']} | {r['step_s'] * 1e3:.1f} ms | {r['tokens_per_s']:,.0f} "
+      f"| {r['gflop_per_s'] / 1e3:.2f} | {100 * r['of_matmul_rate']:.1f}% "
+      f"| {'' if q is None else f'{q:.2f}'} |"
+    )
 
 
 def model_flops(cfg, tokens: int, seq_len: int) -> float:
@@ -157,14 +253,14 @@ def split_options(overrides: list[str]) -> tuple[list[str], dict]:
 
 
 def interleave(
-  rows: list[dict], steps: int, warmup: int, rate_calls: int = 3, mkn=MATMUL
+  rows: list[dict], steps: int, warmup: int, rate_calls: int = 3, mkn=MATMUL, dtype=jnp.float32
 ) -> list[dict]:
   """Time the rows round-robin: each round runs one step of every row, then the dense matmul
   ``rate_calls`` times. A row's step time is the median over rounds; its share of the matmul
   rate and its ratio to the first row are medians of the per-round figures, so a VM whose speed
   drifts or jumps during the run (this one's matmul rate moved 92-152 GFLOP/s between runs
   minutes apart) moves every row of a round together and leaves the ratios alone."""
-  mm = matmul_fn(*mkn)
+  mm = matmul_fn(*mkn, dtype=dtype)
   rates = []  # GFLOP/s of the dense matmul, one per round
 
   def rate():
@@ -237,6 +333,12 @@ def add_shape_args(ap: argparse.ArgumentParser, steps: int) -> None:
     help="the reference matmul [M, K] @ [K, N] (smaller: quicker, for toy runs)",
   )
   ap.add_argument(
+    "--matmul-dtype",
+    default="float32",
+    choices=("float32", "bfloat16"),
+    help="the reference matmul's dtype (bfloat16: the MFU of a bf16 run on an accelerator)",
+  )
+  ap.add_argument(
     "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides after the shape's"
   )
 
@@ -285,12 +387,28 @@ def main(argv=None) -> int:
   )
   ap.add_argument("--all-variants", action="store_true")
   add_shape_args(ap, steps=5)
+  ap.add_argument(
+    "--attention",
+    default=None,
+    metavar="BxHxTxD",
+    help="first time attention's forward + backward alone, each implementation side by side",
+  )
+  ap.add_argument("--attention-dtype", default="bfloat16", choices=("float32", "bfloat16"))
   ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
   args = ap.parse_args(argv)
   variants = [v for v in args.variants.split(",") if v]
   mkn = parse_matmul(args.matmul)
   if mkn is None:
     return 2
+  att_shape = None
+  if args.attention:
+    try:
+      att_shape = tuple(int(x) for x in args.attention.split("x"))
+      assert len(att_shape) == 4 and min(att_shape) >= 1
+    except (ValueError, AssertionError):
+      print(f"error: --attention: expected BxHxTxD, got {args.attention!r}", file=sys.stderr)
+      return 2
+  mm_dtype = jnp.dtype(args.matmul_dtype)
   bad = sorted({v for v in variants if v.split("+")[0] not in VARIANTS})
   if bad:
     print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
@@ -303,13 +421,35 @@ def main(argv=None) -> int:
   except ConfigError as e:
     print(f"error: --set: {e}", file=sys.stderr)
     return 2
-  rate = matmul_rate(mkn=mkn)
+  rate = matmul_rate(mkn=mkn, dtype=mm_dtype)
+  dev = jax.devices()[0]
   print(
-    f"devices: {jax.devices()}  XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  "
+    f"devices: {jax.devices()}  jax {jax.__version__}  "
+    f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  "
     f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}"
   )
   m, k, n = mkn
-  print(f"dense matmul ({m}x{k} @ {k}x{n}, f32): {rate:.1f} GFLOP/s at start")
+  print(f"dense matmul ({m}x{k} @ {k}x{n}, {mm_dtype.name}): {rate:.1f} GFLOP/s at start")
+  report = {
+    "jax": jax.__version__,
+    "device": dev.device_kind,
+    "platform": dev.platform,
+    "matmul": {"mkn": list(mkn), "dtype": mm_dtype.name, "gflop_per_s_start": rate},
+    "matmul_gflop_per_s_start": rate,
+    "argv": argv or sys.argv[1:],
+  }
+
+  def dump():
+    if args.json:
+      with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+
+  if att_shape is not None:
+    att_dtype = jnp.dtype(args.attention_dtype)
+    att = attention_rows(att_shape, att_dtype, max(args.steps, 5), args.warmup)
+    print_attention(att, att_shape, att_dtype)
+    report["attention"] = {"shape_BHTD": list(att_shape), "dtype": att_dtype.name, "rows": att}
+    dump()
   prepared = []
   for mixer in [m for m in args.mixers.split(",") if m]:
     for variant in variants:
@@ -325,7 +465,7 @@ def main(argv=None) -> int:
       except Exception as e:  # a mixer that cannot run this shape: say so, keep going
         print(f"{mixer:>14} {variant:>5}  failed: {type(e).__name__}: {e}", flush=True)
   print(f"compiled {len(prepared)} rows; timing {args.steps} rounds (one step of each row a round)")
-  rows = interleave(prepared, args.steps, args.warmup, mkn=mkn)
+  rows = interleave(prepared, args.steps, args.warmup, mkn=mkn, dtype=mm_dtype)
   for row in rows:
     print(
       f"{row['mixer']:>14} {row['variant']:>5}  step {row['step_s']:.3f} s  "
@@ -344,6 +484,9 @@ def main(argv=None) -> int:
   pairs += [(f"{m} bf16 / f32", (m, "bf16"), (m, "scan")) for m in ("residual", "mhc")]
   pairs += [(f"{m} / residual (scan)", (m, "scan"), res) for m in ("hc", "mhc", "mhc_lite")]
   pairs += [
+    (f"{m} / residual (bf16)", (m, "bf16"), ("residual", "bf16")) for m in ("hc", "mhc", "mhc_lite")
+  ]
+  pairs += [
     (f"{r['mixer']} {r['variant']} / scan", (r["mixer"], r["variant"]), (r["mixer"], "scan"))
     for r in rows
     if "+" in r["variant"]
@@ -352,11 +495,9 @@ def main(argv=None) -> int:
     q = paired(rows, x, y)
     if q is not None:
       print(f"  {name}: {q:.2f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(
-        {"matmul_gflop_per_s_start": rate, "rows": rows, "argv": argv or sys.argv[1:]}, f, indent=1
-      )
+  print_table(rows, mm_dtype.name)
+  report["rows"] = rows
+  dump()
   return 0
 
 

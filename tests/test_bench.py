@@ -243,3 +243,74 @@ def test_dots_alone_sums_count_times_time_per_round():
   assert as_timed == [3 * t for t in times[d]]
   net = dot_ceiling.alone_per_round(Counter({d: 3}), times, net=True)
   assert net == [3 * max(t - s, 0.0) for t, s in zip(times[d], times["dispatch"])]
+
+
+def test_step_bench_attention_side_by_side_and_table(tmp_path, capsys):
+  """The accelerator check's step_bench options at toy size: a bf16 reference matmul, attention's
+  implementations side by side (cuDNN reported as not run on the CPU), the markdown table with
+  each mixer's ratio to residual, and all of it in the JSON."""
+  out = tmp_path / "gpu.json"
+  argv = TOY + ["--mixers", "residual,mhc", "--variants", "bf16", "--all-variants"]
+  argv += ["--matmul-dtype", "bfloat16", "--attention", "1x2x16x8", "--steps", "1"]
+  assert step_bench.main(argv + ["--warmup", "1", "--json", str(out)]) == 0
+  text = capsys.readouterr().out
+  assert "| mixer | variant | step | tokens/s | model TFLOP/s | MFU (vs bfloat16 matmul)" in text
+  assert "| residual | bf16 |" in text and "| mhc | bf16 |" in text
+  rep = json.loads(out.read_text())
+  assert rep["matmul"]["dtype"] == "bfloat16" and rep["platform"] == "cpu"
+  att = {r["impl"]: r for r in rep["attention"]["rows"]}
+  assert set(att) == set(step_bench.ATTENTION_IMPLS)
+  assert all(att[i]["fwd_bwd_ms"] > 0 and att[i]["temp_mib"] >= 0 for i in ("materialized", "xla"))
+  assert "error" in att["cudnn"] and "cudnn" in text
+  assert [(r["mixer"], r["variant"]) for r in rep["rows"]] == [
+    ("residual", "bf16"),
+    ("mhc", "bf16"),
+  ]
+  assert all(r["step_s"] > 0 and 0 < r["of_matmul_rate"] for r in rep["rows"])
+
+
+def test_step_bench_bad_attention_shape_exits_2(capsys):
+  assert step_bench.main(TOY + ["--attention", "2x16x8"]) == 2
+  assert "error: --attention: expected BxHxTxD" in capsys.readouterr().err
+
+
+def _gpu_check(tmp_path, *args):
+  import os
+  import subprocess
+
+  env = dict(os.environ, PY=sys.executable)
+  env.pop("OUT", None)
+  return subprocess.run(
+    ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), *args],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=900,
+  )
+
+
+def test_gpu_check_refuses_the_cpu_without_toy(tmp_path):
+  r = _gpu_check(tmp_path, "--json", str(tmp_path / "x.json"))
+  assert r.returncode == 2 and "error: no accelerator visible to jax" in r.stderr
+  assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_at_toy_size(tmp_path):
+  """benchmarks/gpu_check.sh --toy: the accelerator check's own commands (step_bench with the
+  attention side by side, study_cost over every shipped study's GPU variant) at toy size on the
+  CPU, so the script cannot rot between the runs on a GPU."""
+  out = tmp_path / "gpu_check.json"
+  r = _gpu_check(tmp_path, "--toy", "--json", str(out))
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "stopped" not in r.stdout and "failed" not in r.stdout, r.stdout
+  rep = json.loads(out.read_text())
+  rows = rep["step_bench"]["rows"]
+  assert [x["mixer"] for x in rows] == ["residual", "hc", "mhc", "mhc_lite"]
+  assert all(x["variant"] == "bf16" and x["step_s"] > 0 for x in rows)
+  att = {x["impl"]: x for x in rep["step_bench"]["attention"]["rows"]}
+  assert att["xla"]["fwd_bwd_ms"] > 0 and "error" in att["cudnn"]
+  studies = {s["study"]: s for s in rep["studies"]["studies"]}
+  assert {"bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale.yaml"} <= set(studies)
+  assert all("error" not in s and s["step_s"] > 0 for s in studies.values()), studies
+  assert "| mhc_lite | bf16 |" in r.stdout

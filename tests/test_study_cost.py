@@ -50,3 +50,24 @@ def test_toy_study_cost(tmp_path, capsys):
   assert step > 0 and "over 3 steps" in out
   hours = float(re.search(r"projected study: 2 runs, ([0-9.e+-]+) device-hours", out).group(1))
   assert 0 < hours < 5 * step * 2 / 3600 + 1e-3  # two runs of 5 steps, the smaller one cheaper
+
+
+def _toy_study(tmp_path, sets: str) -> Path:
+  sweep = tmp_path / "toy.yaml"
+  sweep.write_text(
+    yaml.safe_dump(
+      {"name": "toy", "base": str(ROOT / "configs" / "debug.yaml"), "axes": {"model.width": [8]}}
+    )
+  )
+  study = tmp_path / "study.yaml"
+  study.write_text(
+    f"# toy\n#   mhc-jax sweep {sweep} --out sweeps_out/toy_gpu --set {sets}\nname: x\n"
+  )
+  return study
+
+
+def test_study_cost_shortens_a_study_whose_warmup_is_longer_than_the_measured_run(tmp_path):
+  """A study's lr warm-up (here 100 steps) outlasts the few steps study_cost trains: the short
+  run's warm-up is cut to fit (it was rejected: optim.warmup_steps exceeds train.steps)."""
+  study = _toy_study(tmp_path, "train.steps=200 optim.warmup_steps=100")
+  assert study_cost.main([str(study), "--steps", "2", "--warmup", "1"]) == 0
