@@ -4,32 +4,48 @@ Streaming detectors are fed one value per step by the training loop and can be s
 and restored from a checkpoint (``state_dict`` / ``load_state_dict``, JSON-safe plain
 Python values), so a resumed run makes exactly the same decisions as an uninterrupted one.
 The offline functions at the bottom analyse whole logged series: ``spike_mask`` (the streaming
-rule over a whole series) and the learning-rate sensitivity of Wortsman et al. (2023).
+rule over a whole series: the same decisions as the monitor the trainer runs, when every step
+is logged) and the learning-rate sensitivity of Wortsman et al. (2023).
 
 Conventions
 -----------
-* :class:`RollingSpikeDetector` (OLMo-core rule): ``value > mean + threshold * std`` of the
-  trailing ``window`` accepted values (population std, ddof=0, float64). A detected spike
-  is **not** added to the history (``add_spikes=False``), so a run of spikes does not
-  inflate the threshold that should catch it; the price is that a sudden *permanent* level
-  shift keeps being flagged until it is absorbed (it never is, for a jump >> 6 sigma). That
-  is what we want for a stability score: a run that jumped and stayed up is unstable.
-  Non-finite values are always spikes and never enter the history. With fewer than
-  ``min_history`` accepted values the threshold is +inf (only non-finite values spike).
-  ``std`` is floored at ``rel_std_floor * |mean|`` so that a flat series with float
-  round-off jitter (e.g. a loss stuck at ln V) does not spike on every ulp.
+* :class:`RollingSpikeDetector`, a robust rule on the step-to-step change
+  (:func:`spike_threshold`). Over the trailing ``window`` finite values, each step change
+  ``d_j = x_j - x_{j-1}`` is compared with the median of the 8 changes before it; its
+  *surprise* is the difference. A value is a spike when
+
+      value > last + median(last 8 step changes) + threshold * 1.4826 * MAD(surprises)
+
+  i.e. when its own step change beats the recent trend by more than ``threshold`` robust
+  standard deviations (1.4826 * MAD, the median absolute deviation scaled to a normal SD) of
+  the surprises in the window. Working on step changes removes the trend and the recent median
+  follows a curving one, so the fast early fall of the loss neither looks like a spike nor
+  raises the bar much; medians ignore the odd outlier, so the spikes themselves enter the
+  history (``add_spikes=True``) without hiding the next one, a jump that stays up counts once
+  (at its onset), and a rejected value can never freeze the history. The rule works from
+  ``min_history`` (8) values, so a spike in the first steps counts. The spread is floored at
+  ``rel_std_floor * |last|`` (1%): a value less than ``threshold * rel_std_floor`` (6%) above
+  its expected value is never a spike, which keeps a small, lucky MAD of the first few values and a flat series
+  with float round-off jitter from flagging noise. Non-finite values are always spikes and
+  never enter the history; with fewer than ``min_history`` values the bar is +inf.
+  OLMo-core's ``StabilityMonitorCallback`` flags ``value > mean + 6 std`` of the trailing 128
+  values, only once 128 exist: it cannot fire in the first 128 steps, and early in training
+  its std is the spread of the transient, not of the noise (docs/statistics.md compares the
+  two on toy and real runs).
 * :class:`DivergenceRule` (llm-foundry ``KillLossSpike`` style): see its docstring.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 __all__ = [
+  "spike_threshold",
   "RollingSpikeDetector",
   "SpikeMonitor",
   "DivergenceRule",
@@ -43,22 +59,51 @@ def _scalar(value) -> float:
   return float(np.asarray(value, dtype=np.float64).reshape(()))
 
 
+#: 1.4826 * MAD (median absolute deviation) estimates the standard deviation of normal values.
+MAD_TO_SD = 1.4826
+#: A value's expected step change is the median of the step changes of this many steps before it.
+TREND_STEPS = 8
+
+
+def _recent_medians(d: np.ndarray, m: int) -> np.ndarray:
+  """``out[j] = median(d[max(0, j - m + 1) : j + 1])``: the median of the (up to) ``m`` values
+  of ``d`` ending at ``j``."""
+  head = [statistics.median(d[: j + 1].tolist()) for j in range(min(m - 1, d.size))]
+  full = np.lib.stride_tricks.sliding_window_view(d, m) if d.size >= m else np.zeros((0, m))
+  return np.concatenate([np.asarray(head, dtype=np.float64), np.median(full, axis=1)])
+
+
+def spike_threshold(history, threshold: float = 6.0, rel_std_floor: float = 1e-2) -> float:
+  """The bar the next value must exceed to be a spike, from the trailing ``history`` (oldest
+  first, at least 3 finite values); the rule of the module docstring:
+  ``last + median(last 8 step changes) + median(surprises) + threshold * max(1.4826 *
+  MAD(surprises), rel_std_floor * |last|)``."""
+  h = np.asarray(history, dtype=np.float64)
+  d = np.diff(h)  # step changes
+  expected = _recent_medians(d, TREND_STEPS)  # expected[j]: median of the changes up to j
+  surprise = d[1:] - expected[:-1]  # each change against the median of the ones before it
+  typical = float(np.median(surprise))
+  spread = MAD_TO_SD * float(np.median(np.abs(surprise - typical)))
+  last = float(h[-1])
+  return last + float(expected[-1]) + typical + threshold * max(spread, rel_std_floor * abs(last))
+
+
 class RollingSpikeDetector:
-  """Streaming ``mean + threshold * std`` spike detector over a trailing window."""
+  """Streaming robust spike detector over a trailing window (:func:`spike_threshold`)."""
 
   def __init__(
     self,
     window: int = 128,
     threshold: float = 6.0,
-    min_history: int = 32,
-    rel_std_floor: float = 1e-6,
-    add_spikes: bool = False,
+    min_history: int = 8,
+    rel_std_floor: float = 1e-2,
+    add_spikes: bool = True,
   ):
-    if window < 2:
-      raise ValueError(f"window must be >= 2, got {window}")
+    if window < 3:
+      raise ValueError(f"window must be >= 3, got {window}")
     self.window = int(window)
     self.threshold = float(threshold)
-    self.min_history = max(2, min(int(min_history), self.window))
+    self.min_history = max(3, min(int(min_history), self.window))
     self.rel_std_floor = float(rel_std_floor)
     self.add_spikes = bool(add_spikes)
     self._buf = np.zeros(self.window, dtype=np.float64)  # ring buffer of accepted values
@@ -69,15 +114,17 @@ class RollingSpikeDetector:
   def __len__(self) -> int:
     return self._count
 
+  def history(self) -> np.ndarray:
+    """The accepted values in the window, oldest first."""
+    if self._count < self.window:
+      return self._buf[: self._count].copy()
+    return np.roll(self._buf, -self._pos)
+
   def threshold_value(self) -> float:
     """The current bar a value must exceed to be a spike (+inf while warming up)."""
     if self._count < self.min_history:
       return math.inf
-    hist = self._buf if self._count == self.window else self._buf[: self._count]
-    mean = float(hist.mean())
-    std = float(np.sqrt(np.mean(np.square(hist - mean))))
-    std = max(std, self.rel_std_floor * abs(mean))
-    return mean + self.threshold * std
+    return spike_threshold(self.history(), self.threshold, self.rel_std_floor)
 
   # ------------------------------------------------------------------ update
   def update(self, value) -> tuple[bool, float]:
@@ -144,8 +191,8 @@ class SpikeMonitor:
     window: int = 128,
     threshold: float = 6.0,
     score_window: int = 1000,
-    min_history: int = 32,
-    rel_std_floor: float = 1e-6,
+    min_history: int = 8,
+    rel_std_floor: float = 1e-2,
   ):
     kw = dict(
       window=window, threshold=threshold, min_history=min_history, rel_std_floor=rel_std_floor
@@ -297,9 +344,9 @@ def spike_mask(
   series: Sequence[float] | np.ndarray,
   window: int = 128,
   threshold: float = 6.0,
-  min_history: int = 32,
-  rel_std_floor: float = 1e-6,
-  add_spikes: bool = False,
+  min_history: int = 8,
+  rel_std_floor: float = 1e-2,
+  add_spikes: bool = True,
 ) -> np.ndarray:
   """Boolean spike mask of a whole series: exactly what streaming the detector gives."""
   det = RollingSpikeDetector(window, threshold, min_history, rel_std_floor, add_spikes)

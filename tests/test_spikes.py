@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 
 import numpy as np
 import pytest
@@ -27,25 +28,51 @@ def test_planted_jump_flags_exactly_that_step():
   assert np.flatnonzero(flags).tolist() == [400]
 
 
+def _ref_bar(history, k=6.0, floor=1e-2, m=8):
+  """The rule written out with the standard library: the last value, plus the median of the
+  last m step changes, plus the median surprise and k robust SDs of the surprises."""
+  d = [b - a for a, b in zip(history, history[1:])]
+  expected = [statistics.median(d[max(0, j - m + 1) : j + 1]) for j in range(len(d))]
+  surprise = [d[j] - expected[j - 1] for j in range(1, len(d))]
+  typical = statistics.median(surprise)
+  spread = 1.4826 * statistics.median([abs(e - typical) for e in surprise])
+  return history[-1] + expected[-1] + typical + k * max(spread, floor * abs(history[-1]))
+
+
 def test_threshold_value_and_warmup():
-  det = RollingSpikeDetector(window=4, threshold=2.0, min_history=4)
+  det = RollingSpikeDetector(window=8, threshold=2.0, min_history=4)
   for v in (1.0, 3.0, 1.0):
     assert det.update(v) == (False, math.inf)
-  det.update(3.0)  # history 1,3,1,3: mean 2, std 1
-  spike, thr = det.update(4.5)
-  assert thr == pytest.approx(4.0) and spike
-  assert len(det) == 4  # the spike did not enter the history
-  assert det.update(3.9) == (False, pytest.approx(4.0))
+  det.update(3.0)
+  # changes 2, -2, 2; expected (median up to each) 2, 0, 2; surprises -2 - 2, 2 - 0; median -1,
+  # MAD 3: bar = 3 + 2 - 1 + 2 * 1.4826 * 3
+  assert det.threshold_value() == pytest.approx(3 + 2 - 1 + 2 * 1.4826 * 3)
+  spike, thr = det.update(13.0)
+  assert spike and thr == pytest.approx(12.8956)
+  assert len(det) == 5  # the spike entered the history: medians are not moved by one value
+  keep_out = RollingSpikeDetector(window=8, threshold=2.0, min_history=4, add_spikes=False)
+  for v in (1.0, 3.0, 1.0, 3.0, 13.0):
+    keep_out.update(v)
+  assert len(keep_out) == 4
+
+
+def test_threshold_matches_a_reference_over_a_window():
+  rng = np.random.default_rng(4)
+  x = 3.0 + np.cumsum(0.1 * rng.standard_normal(300))
+  det = RollingSpikeDetector(window=50)
+  for i, v in enumerate(x):
+    want = _ref_bar(x[max(0, i - 50) : i].tolist()) if i >= 8 else math.inf
+    assert det.update(v)[1] == pytest.approx(want, rel=1e-12), i
 
 
 def test_nonfinite_is_spike_and_skipped():
-  det = RollingSpikeDetector(window=8, min_history=2)
+  det = RollingSpikeDetector(window=8, min_history=3)
   assert det.update(float("nan"))[0]  # even during warm-up
   assert det.update(np.float32("inf"))[0]
   assert len(det) == 0
-  det.update(1.0)
-  det.update(1.0)
-  assert len(det) == 2 and math.isfinite(det.threshold_value())
+  for v in (1.0, 1.0, 1.0):
+    det.update(v)
+  assert len(det) == 3 and math.isfinite(det.threshold_value())
 
 
 def test_streaming_matches_offline_and_resume_is_identical():
@@ -56,7 +83,8 @@ def test_streaming_matches_offline_and_resume_is_identical():
   stream = np.array([det.update(v)[0] for v in x])
   offline = spike_mask(x, window=64, threshold=4.0, min_history=16)
   np.testing.assert_array_equal(stream, offline)
-  assert {300, 301, 550, 700} <= set(np.flatnonzero(offline).tolist())
+  flagged = set(np.flatnonzero(offline).tolist())
+  assert {300, 550, 700} <= flagged and 301 not in flagged  # a two-step jump counts at its onset
 
   # stop at 450, save through JSON, resume in a fresh detector: identical thresholds
   a = RollingSpikeDetector(window=64, threshold=4.0, min_history=16)
@@ -175,3 +203,65 @@ def test_lr_sensitivity_hand_grid():
   assert lr_sensitivity(grid, 4.0) == pytest.approx(1.1)
   assert lr_sensitivity([2.0, 2.0], 4.0) == 0.0
   assert lr_sensitivity([5.0, 6.0], 4.0) == 0.0
+
+
+# =========================================================================== from the first steps
+def _toy_run(n=200, seed=0, vocab=256, floor=2.5, tau=8.0, sigma=0.03):
+  """A toy training loss: falling fast from ln(V) to a floor, with noise (steps 0..n-1)."""
+  t = np.arange(n)
+  rng = np.random.default_rng(seed)
+  return floor + (math.log(vocab) - floor) * np.exp(-t / tau) + sigma * rng.normal(size=n)
+
+
+def test_planted_spike_at_step_10_is_detected():
+  for seed in range(5):
+    x = _toy_run(seed=seed)
+    x[10] += 0.5  # a jump of ~17 noise sigmas, while the loss still falls ~0.15 per step
+    assert np.flatnonzero(spike_mask(x)).tolist() == [10], seed
+    mon = SpikeMonitor()
+    events = [e for s, v in enumerate(x) for e in mon.update(s, v)[0]]
+    assert [(e["step"], e["kind"]) for e in events] == [(10, "spike/loss")]
+    assert events[0]["threshold"] < x[10] < x[0]  # a bar between the jump and the initial loss
+
+
+def test_smooth_early_transient_is_not_a_spike():
+  for seed in range(20):
+    for tau in (2.0, 5.0, 20.0):  # loss falling from ln(256) = 5.5, fast to slow
+      assert not spike_mask(_toy_run(seed=seed, tau=tau)).any(), (seed, tau)
+  # the same with a linear warm-up: flat for a few steps, then the fast fall
+  t = np.arange(150)
+  lr = np.minimum(1.0, t / 15)
+  x = 2.5 + 3.0 * np.exp(-np.cumsum(lr) / 6) + 0.03 * np.random.default_rng(7).normal(size=150)
+  assert not spike_mask(x).any()
+
+
+def test_threshold_is_not_inflated_by_the_transient():
+  """After the fast fall the bar sits a few noise widths above the loss, not at the transient's
+  spread: a jump of 10 noise sigmas at step 40 is caught (the mean + 6 std of the first 40
+  values would be above ln V)."""
+  x = _toy_run(seed=3, sigma=0.03)
+  hist = x[:40]
+  assert hist.mean() + 6 * hist.std() > math.log(256)
+  x[40] += 0.3
+  assert spike_mask(x)[40]
+  det = RollingSpikeDetector()
+  for v in x[:40]:
+    det.update(v)
+  assert det.threshold_value() - x[39] < 12 * 0.03
+
+
+def test_monitor_and_the_pure_function_agree():
+  """The running monitor (training) and spike_mask on the logged series flag the same steps."""
+  rng = np.random.default_rng(11)
+  loss = _toy_run(400, seed=5)
+  grad = 3.0 * np.exp(-np.arange(400) / 30) + 0.5 + 0.05 * rng.standard_normal(400)
+  loss[[12, 13, 90, 91, 92, 300]] += [0.8, 0.6, 0.5, 0.5, 0.5, 0.5]
+  grad[[9, 150, 151]] *= [8.0, 5.0, 3.0]
+  mon = SpikeMonitor()
+  events = [e for s in range(400) for e in mon.update(s, loss[s], grad[s])[0]]
+  by_kind = {k: [e["step"] for e in events if e["kind"] == k] for k in ("spike/loss", "spike/grad")}
+  assert by_kind["spike/loss"] == np.flatnonzero(spike_mask(loss)).tolist()
+  assert by_kind["spike/grad"] == np.flatnonzero(spike_mask(grad)).tolist()
+  assert {12, 90, 300} <= set(by_kind["spike/loss"]) and {9, 150} <= set(by_kind["spike/grad"])
+  assert not {13, 91, 92} & set(by_kind["spike/loss"])  # a jump that stays up counts once
+  assert mon.total_spikes == len({e["step"] for e in events})
