@@ -96,3 +96,99 @@ def test_group_stats_columns_and_grouping():
   assert (a["n_seeds"], a["seeds"], a["x_mean"]) == (2, "0,1", 2.0)
   assert (a["x_ci_lo"], a["x_ci_hi"]) == pytest.approx(ref_ci([1.0, 3.0])[1:], rel=1e-4)
   assert b["n_seeds"] == 1 and math.isnan(b["x_mean"])
+
+
+# =========================================================================== the log scale
+def ref_log_ci(values):
+  """Geometric mean and the t interval of the mean log, back-transformed (float64, stdlib)."""
+  mean, lo, hi = ref_ci([math.log(v) for v in values])
+  return math.exp(mean), math.exp(lo), math.exp(hi)
+
+
+HC_GAINS = [4443.210938, 1736.524902, 57.178532]  # hc's per-token composite, 3 seeds (width 32)
+
+
+def test_log_scale_interval_against_a_float64_reference():
+  for vals in (HC_GAINS, [1.0, 1.000001, 1.000002], [0.004, 0.56, 0.2, 0.31, 0.05]):
+    gmean, lo, hi, n = stats.mean_ci(vals, log=True)
+    assert n == len(vals)
+    assert (gmean, lo, hi) == pytest.approx(ref_log_ci(vals), rel=1e-4)
+    assert lo < gmean < hi and lo > 0  # a positive quantity keeps a positive interval
+  gmean, lo, hi, _ = stats.mean_ci(HC_GAINS, log=True)
+  assert 500 < gmean < 900 and hi / gmean == pytest.approx(gmean / lo)  # symmetric in ratio
+  raw = stats.mean_ci(HC_GAINS)
+  assert raw[1] < 0  # the raw interval of a positive gain reaches below 0
+
+
+def test_log_scale_edge_cases():
+  assert stats.mean_ci([0.0, 0.0, 0.0], log=True) == (0.0, 0.0, 0.0, 3)  # single-stream spread
+  for bad in ([0.0, 1.0, 2.0], [-1.0, 2.0], [1.0, math.nan], [1.0, math.inf]):
+    gmean, lo, hi, n = stats.mean_ci(bad, log=True)
+    assert math.isnan(lo) and math.isnan(hi) and n == len(bad), bad
+    assert math.isnan(gmean) or gmean == math.inf, bad
+  one = stats.mean_ci([5.0], log=True)
+  assert one[0] == pytest.approx(5.0) and math.isnan(one[1])
+
+
+def test_paired_ratios_on_the_log_scale():
+  df = pd.DataFrame(
+    {
+      "mixer": ["mhc"] * 3 + ["hc"] * 3,
+      "seed": [0, 1, 2, 0, 1, 2],
+      "gain": [1.0, 1.000001, 1.0, *HC_GAINS],
+      "loss": [2.6, 2.61, 2.6, 2.43, 2.46, 2.54],
+    }
+  )
+  out = stats.paired_stats(df, "mixer", [], ["gain", "loss"], log_metrics={"gain"}).set_index(
+    "metric"
+  )
+  g = out.loc["gain"]
+  ratios = [b / a for a, b in zip([1.0, 1.000001, 1.0], HC_GAINS)]
+  assert g["scale"] == "log" and g["n_pairs"] == 3
+  want = ref_log_ci(ratios)
+  assert (g["ratio_mean"], g["ratio_ci_lo"], g["ratio_ci_hi"]) == pytest.approx(want, rel=1e-4)
+  assert g["mean_b"] == pytest.approx(ref_log_ci(HC_GAINS)[0], rel=1e-6)  # geometric means
+  assert math.isnan(g["diff_mean"]) and bool(g["significant"])
+  ln = out.loc["loss"]
+  assert ln["scale"] == "raw" and math.isnan(ln["ratio_mean"])
+  diffs = [b - a for a, b in zip([2.6, 2.61, 2.6], [2.43, 2.46, 2.54])]
+  assert (ln["diff_mean"], ln["diff_ci_lo"], ln["diff_ci_hi"]) == pytest.approx(
+    ref_ci(diffs), rel=1e-4
+  )
+
+
+def test_significant_only_beyond_rounding():
+  # float32 rounding of gains near 1: an interval that excludes 0 by 2e-7 is not an effect
+  assert not stats.significant(2.384e-07, 2.384e-07, scale=1.0)
+  assert not stats.significant(3.026e-07, 1.207e-06, scale=1.0)
+  assert stats.significant(0.093, 0.193, scale=2.5)
+  assert stats.significant(-0.3, -0.01, scale=2.5)
+  assert not stats.significant(-0.01, 0.3, scale=2.5)
+  assert not stats.significant(math.nan, 1.0, scale=1.0)
+  assert not stats.significant(0.0, 0.0, scale=0.0)  # spike counts 0 vs 0
+  # ratios: the interval of the log ratio must clear 0 (ratio 1) by more than the tolerance
+  assert not stats.significant(math.log(1.0000002), math.log(1.0000005), scale=None)
+  assert stats.significant(math.log(1.2), math.log(1.5), scale=None)
+  df = pd.DataFrame(
+    {"mixer": ["a"] * 3 + ["b"] * 3, "seed": [0, 1, 2] * 2, "x": [1.0] * 3 + [1.0 + 2.4e-7] * 3}
+  )
+  row = stats.paired_stats(df, "mixer", [], ["x"]).iloc[0]
+  assert row["diff_ci_lo"] > 0 and not row["significant"]
+
+
+def test_coverage_of_raw_and_log_intervals_for_hc_like_spreads():
+  cov = stats.coverage(3, sigma=2.3, draws=4000, seed=1)
+  assert cov["log"] == pytest.approx(0.95, abs=0.015)
+  assert cov["raw"] < 0.75  # the raw interval misses the mean of heavy-tailed gains
+  table = stats.coverage_table(ns=(3,), sigmas=(2.3,), draws=4000, seed=1)
+  assert list(table.columns) == [
+    "n",
+    "sigma",
+    "spread",
+    "raw",
+    "log",
+    "raw_excludes_1",
+    "log_excludes_1",
+  ]
+  assert cov["log_excludes_1"] > cov["raw_excludes_1"]  # HC's gain told apart from 1
+  assert table["log"].iloc[0] == cov["log"] and table["raw"].iloc[0] == cov["raw"]
