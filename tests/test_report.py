@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+import yaml
 from fixtures_logs import make_sweep, raw_records, write_run
 
 from mhc_jax.sweep import plots
@@ -17,9 +18,12 @@ from mhc_jax.sweep.report import (
   COMPOSITE_SENTENCES,
   GROUP_METRICS,
   LATER_COLUMNS,
+  LOG_SCALE,
   _axis_columns,
+  _paired_display,
   finding,
   lr_sensitivity_table,
+  paired_table,
   summarize_run,
   summary_table,
   write_report,
@@ -330,12 +334,13 @@ def _whole_depth_max_raw(run_dir, metric):
 
 
 def test_groups_csv_interval_recomputed_from_raw_logs(seeded):
-  from test_stats import ref_ci  # the stdlib-only Student t reference
+  from test_stats import ref_ci, ref_log_ci  # the stdlib-only Student t references
 
   root, paths = seeded
   groups = pd.read_csv(paths["groups_csv"])
   for m in GROUP_METRICS:
-    assert {f"{m}_mean", f"{m}_ci_lo", f"{m}_ci_hi"} <= set(groups.columns), m
+    mid = f"{m}_gmean" if m in LOG_SCALE else f"{m}_mean"
+    assert {mid, f"{m}_ci_lo", f"{m}_ci_hi"} <= set(groups.columns), m
   assert len(groups) == 6 and set(groups["n_seeds"]) == {3} and "seed" not in groups.columns
   row = groups[(groups["mixer"] == "hc") & (groups["depth"] == 4)].iloc[0]
   runs = [root / "runs" / f"hc_L4_C32_lr0.01_s{s}" for s in SEEDS]
@@ -346,13 +351,29 @@ def test_groups_csv_interval_recomputed_from_raw_logs(seeded):
     row["final_loss_ci_hi"],
   ) == pytest.approx(want, rel=1e-4)
   assert row["final_loss_ci_lo"] < row["final_loss_mean"] < row["final_loss_ci_hi"]
-  want = ref_ci([_whole_depth_max_raw(r, "amax_bwd_composite_tok_mean") for r in runs])
-  got = tuple(row[f"amax_bwd_composite_tok_mean_max_{s}"] for s in ("mean", "ci_lo", "ci_hi"))
+  # a gain: geometric mean and the interval of the mean log, back-transformed
+  want = ref_log_ci([_whole_depth_max_raw(r, "amax_bwd_composite_tok_mean") for r in runs])
+  got = tuple(row[f"amax_bwd_composite_tok_mean_max_{s}"] for s in ("gmean", "ci_lo", "ci_hi"))
   assert got == pytest.approx(want, rel=1e-4)
+  assert "amax_bwd_composite_tok_mean_max_mean" not in groups.columns
+
+
+def test_log_scale_columns_are_decided_in_one_place():
+  assert {
+    "max_grad_norm",
+    "amax_fwd_composite_max",
+    "amax_fwd_composite_tok_mean_max",
+    "amax_bwd_composite_tok_max_max",
+    "amin_fwd_composite_min",
+    "amax_bwd_suffix_max_all_layers",
+    "stream_spread_last",
+  } <= LOG_SCALE
+  assert not {"final_loss", "eval_loss", "kl_bits", "spike_count", "growth_exponent"} & LOG_SCALE
+  assert LOG_SCALE <= set(GROUP_METRICS)
 
 
 def test_paired_csv_recomputed_from_raw_logs(seeded):
-  from test_stats import ref_ci
+  from test_stats import ref_ci, ref_log_ci
 
   root, paths = seeded
   paired = pd.read_csv(paths["paired_csv"])
@@ -360,31 +381,43 @@ def test_paired_csv_recomputed_from_raw_logs(seeded):
     "mixer_a",
     "mixer_b",
     "metric",
+    "scale",
     "n_pairs",
     "diff_mean",
     "diff_ci_lo",
     "diff_ci_hi",
+    "ratio_mean",
+    "ratio_ci_lo",
+    "ratio_ci_hi",
+    "significant",
   } <= set(paired.columns)
   assert set(zip(paired["mixer_a"], paired["mixer_b"])) == {
     ("residual", "hc"),
     ("residual", "mhc"),
     ("hc", "mhc"),
   }
-  row = paired[
-    (paired["depth"] == 2)
-    & (paired["mixer_a"] == "hc")
-    & (paired["mixer_b"] == "mhc")
-    & (paired["metric"] == "final_loss")
-  ].iloc[0]
+  sel = (paired["depth"] == 2) & (paired["mixer_a"] == "hc") & (paired["mixer_b"] == "mhc")
+  row = paired[sel & (paired["metric"] == "final_loss")].iloc[0]
   diffs = [
     _final_loss_raw(root / "runs" / f"mhc_L2_C32_lr0.01_s{s}")
     - _final_loss_raw(root / "runs" / f"hc_L2_C32_lr0.01_s{s}")
     for s in SEEDS
   ]
-  assert row["n_pairs"] == 3
+  assert row["n_pairs"] == 3 and row["scale"] == "raw"
   assert (row["diff_mean"], row["diff_ci_lo"], row["diff_ci_hi"]) == pytest.approx(
     ref_ci(diffs), rel=1e-4
   )
+  gain = paired[sel & (paired["metric"] == "amax_fwd_composite_tok_mean_max")].iloc[0]
+  ratios = [
+    _whole_depth_max_raw(root / "runs" / f"mhc_L2_C32_lr0.01_s{s}", "amax_fwd_composite_tok_mean")
+    / _whole_depth_max_raw(root / "runs" / f"hc_L2_C32_lr0.01_s{s}", "amax_fwd_composite_tok_mean")
+    for s in SEEDS
+  ]
+  assert gain["scale"] == "log" and math.isnan(gain["diff_mean"])
+  assert (gain["ratio_mean"], gain["ratio_ci_lo"], gain["ratio_ci_hi"]) == pytest.approx(
+    ref_log_ci(ratios), rel=1e-4
+  )
+  assert gain["ratio_ci_hi"] < 1 and gain["significant"]  # mhc's gain below hc's, every seed
 
 
 def test_seed_sections_on_the_page(seeded):
@@ -497,7 +530,7 @@ def test_old_logs_show_the_new_metrics_as_missing(tmp_path):
     and "written before these metrics existed" in page
   )
   groups = pd.read_csv(paths["groups_csv"])
-  assert groups["amax_fwd_composite_tok_mean_max_mean"].isna().all()
+  assert groups["amax_fwd_composite_tok_mean_max_gmean"].isna().all()
 
 
 def test_growth_exponent_label_counts_mixer_layers():
@@ -567,7 +600,7 @@ def test_finding_says_whose_gain_grew_with_depth():
   flipped = {(("mhc" if m == "hc" else "hc"), d): v for (m, d), v in spec.items()}
   b = finding(_table(_rows(flipped, seeds=(0, 1, 2))))
   assert b.startswith("mhc's per-token forward composite gain grew") and "hc's stayed" in b
-  assert b.endswith("(means over 3 seeds).")
+  assert b.endswith("(geometric means over 3 seeds per mixer and depth).")
   # old logs without the per-token column: the token-averaged composite, named as such
   old = _table(_rows(spec)).assign(amax_fwd_composite_tok_mean_max=np.nan)
   assert finding(old).startswith(
@@ -578,15 +611,23 @@ def test_finding_says_whose_gain_grew_with_depth():
 def test_finding_loss_needs_an_interval_that_excludes_zero():
   spec = {("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (1.8, 2.0, 0, 1.0, 1.0)}
   one = finding(_table(_rows(spec)))
-  assert one == "mhc reached a lower final loss than hc (1.8 vs 2 nats per token)."
+  assert (
+    one
+    == "mhc reached a lower final training loss than hc (1.8 vs 2 nats per token, one run each)."
+  )
   noisy = _table(_rows(spec, seeds=(0, 1, 2)))
   noisy.loc[(noisy["mixer"] == "mhc") & (noisy["seed"] == 1), "final_loss"] = (
     2.6  # seed 1 reverses it
   )
-  assert finding(noisy).startswith("The mixers did not differ clearly: final losses")
+  assert finding(noisy).startswith(
+    "The mixers did not differ clearly over 6 runs: final training losses"
+  )
   steady = _table(_rows(spec, seeds=(0, 1, 2)))
   text = finding(steady)
-  assert text.startswith("mhc reached a lower final loss than hc") and "95% CI [" in text
+  assert (
+    text.startswith("mhc reached a lower final training loss than hc: 1.8") and "95% CI [" in text
+  )
+  assert "(means over 3 seeds each)" in text and "n = 3 seed pairs" in text
 
 
 def test_finding_on_edge_cases(seeded):
@@ -598,8 +639,8 @@ def test_finding_on_edge_cases(seeded):
     _table(_rows({("hc", 4): (2.0, 2.0, 0, 1.0, 1.0), ("mhc", 4): (2.01, 2.0, 0, 1.0, 1.0)}))
   )
   assert same == (
-    "The mixers did not differ clearly: final losses 2.00–2.01 nats, KL 2.00 bits, per-token "
-    "composite gains 1.00, no spikes."
+    "The mixers did not differ clearly over 2 runs: final training losses 2.00–2.01 nats, KL "
+    "2.00 bits, per-token composite gains 1.00, no spikes."
   )
   spikes = finding(
     _table(_rows({("hc", 4): (2.0, 2.0, 4, 1.0, 1.0), ("mhc", 4): (2.0, 2.0, 0, 1.0, 1.0)}))
@@ -607,7 +648,8 @@ def test_finding_on_edge_cases(seeded):
   assert spikes == "hc had 4 loss/gradient spikes in its 1 run while mhc had none."
   root, paths = seeded
   text = finding(summary_table(root))
-  assert text.startswith("hc's per-token") and text.endswith("(means over 3 seeds).")
+  assert text.startswith("hc's per-token")
+  assert text.endswith("(geometric means over 3 seeds per mixer and depth).")
   assert (
     text in Path(paths["summary_md"]).read_text()
     and html.escape(text) in Path(paths["index_html"]).read_text()
@@ -651,7 +693,8 @@ def test_logit_columns_and_eval_columns_from_raw_files(tmp_path):
   row = summarize_run(run)
   assert row["attn_logit_max"] == 7.5 and row["out_logit_max"] == 30.0
   assert row["logz_absmax"] == 5.0
-  assert all(math.isnan(row[c]) for c in COLUMN_DOCS if c.startswith(("eval_", "probe_")))
+  eval_json = [c for c in COLUMN_DOCS if c.startswith(("eval_", "probe_")) and c != "eval_loss"]
+  assert eval_json and all(math.isnan(row[c]) for c in eval_json)
   (run / "eval.json").write_text(
     json.dumps(
       {
@@ -671,3 +714,248 @@ def test_logit_columns_and_eval_columns_from_raw_files(tmp_path):
   assert row["probe_pc1_entropy"] == 0.75  # |corr|
   (run / "eval.json").write_text("{not json")
   assert math.isnan(summarize_run(run)["eval_kl_bits"])
+
+
+# =========================================================================== endpoints
+def _rewrite(run_dir, edit):
+  """Rewrite a run's metrics.jsonl record by record (``edit(rec)`` changes it in place)."""
+  path = Path(run_dir) / "metrics.jsonl"
+  recs = raw_records(path)
+  for r in recs:
+    edit(r)
+  path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def test_eval_loss_and_max_grad_norm_after_warmup(tmp_path):
+  run = tmp_path / "run"
+  write_run(run, mixer="hc", steps=60, eval_every=20)
+  _rewrite(run, lambda r: r.update(grad_norm=50.0) if r["step"] == 3 and "grad_norm" in r else None)
+  recs = raw_records(run / "metrics.jsonl")
+  row = summarize_run(run)
+  assert row["eval_loss"] == [r["eval/loss"] for r in recs if "eval/loss" in r][-1]
+  assert row["max_grad_norm"] == 50.0  # no warm-up in the config: every step counts
+  cfg = yaml.safe_load((run / "config.yaml").read_text())
+  cfg["optim"]["warmup_steps"] = 10
+  (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+  row = summarize_run(run)
+  after = [r["grad_norm"] for r in recs if "grad_norm" in r and r["step"] >= 10]
+  assert row["max_grad_norm"] == max(after) < 50.0
+  assert list(COLUMN_DOCS).index("eval_loss") < list(COLUMN_DOCS).index("final_loss")
+  no_eval = tmp_path / "text"
+  write_run(no_eval, steps=30, wind_tunnel=False)
+  assert math.isnan(summarize_run(no_eval)["eval_loss"])
+
+
+# =========================================================================== stream spread
+def _spread(mixer: str, nl: int, step: int) -> list[float]:
+  """Made-up per-layer stream spreads: hc peaks mid-depth, mhc collapsed, residual 0."""
+  x = np.arange(nl) / max(nl - 1, 1)
+  if mixer == "residual":
+    return [0.0] * nl
+  if mixer == "hc":
+    return (0.05 + 0.5 * np.sin(np.pi * (0.2 + 0.7 * x)) * (1 + step / 100)).tolist()
+  return (0.004 + 0.002 * x).tolist()
+
+
+def _with_spread(run_dir, mixer):
+  _rewrite(
+    run_dir,
+    lambda r: (
+      r.update(stream_spread=_spread(mixer, len(r["gain_fwd"]), r["step"]))
+      if "gain_fwd" in r
+      else None
+    ),
+  )
+
+
+def test_stream_spread_columns_from_raw_logs(tmp_path):
+  run = tmp_path / "hc"
+  write_run(run, mixer="hc", depth=3, steps=40)
+  _with_spread(run, "hc")
+  last = [r["stream_spread"] for r in raw_records(run / "metrics.jsonl") if "stream_spread" in r][
+    -1
+  ]
+  row = summarize_run(run)
+  assert row["stream_spread_last"] == last[-1]
+  assert row["stream_spread_min"] == min(last)
+  assert row["stream_spread_mean"] == pytest.approx(sum(last) / len(last), rel=1e-12)
+  assert "stream" not in row["note"]
+  res = tmp_path / "residual"
+  write_run(res, mixer="residual", steps=40)
+  _with_spread(res, "residual")
+  row = summarize_run(res)
+  assert (row["stream_spread_last"], row["stream_spread_min"]) == (0.0, 0.0)
+  old = tmp_path / "old"
+  write_run(old, mixer="hc", steps=40)  # logs without the metric (older runs)
+  row = summarize_run(old)
+  assert all(math.isnan(row[c]) for c in row if c.startswith("stream_spread"))
+  assert "stream spread" in row["note"]
+
+
+@pytest.fixture(scope="module")
+def spread_sweep(tmp_path_factory):
+  root = make_sweep(
+    tmp_path_factory.mktemp("spread"),
+    mixers=("residual", "hc", "mhc"),
+    depths=(2, 4),
+    lrs=None,
+    seeds=(0, 1),
+    steps=40,
+    spike=None,
+    diverge=None,
+    pending=False,
+  )
+  for rdir in (root / "runs").iterdir():
+    _with_spread(rdir, rdir.name.split("_L")[0])
+  return root, write_report(root)
+
+
+def test_stream_spread_in_the_report(spread_sweep, tmp_path, monkeypatch):
+  root, paths = spread_sweep
+  assert "stream_spread" in paths and Path(paths["stream_spread"]).read_bytes()[:8] == PNG
+  page = Path(paths["index_html"]).read_text()
+  assert 'src="stream_spread.png"' in page and "stream spread" in page.lower()
+  groups = pd.read_csv(paths["groups_csv"])
+  hc = groups[(groups["mixer"] == "hc") & (groups["depth"] == 4)].iloc[0]
+  mhc = groups[(groups["mixer"] == "mhc") & (groups["depth"] == 4)].iloc[0]
+  assert hc["stream_spread_mean_gmean"] > 20 * mhc["stream_spread_mean_gmean"]
+  # the figure: one panel per depth, a line and a band per mixer (2 seeds each)
+  figs = _capture(monkeypatch)
+  metrics, runs, _ = _plot_inputs(root)
+  assert plots.stream_spread_vs_layer(metrics, runs, tmp_path / "s.png")
+  assert figs[-1] == [(3, 3), (3, 3)]
+  # logs without stream_spread: no figure, and the page says why
+  assert (
+    plots.stream_spread_vs_layer(metrics.drop(columns="stream_spread"), runs, tmp_path / "n.png")
+    is None
+  )
+  other = _small_sweep(tmp_path / "old", ("hc", "mhc"))
+  page = Path(write_report(other)["index_html"]).read_text()
+  assert "No stream spread plot" in page
+
+
+# =========================================================================== the tables
+def test_tables_lead_with_the_held_out_loss(seeded):
+  root, paths = seeded
+  md = Path(paths["summary_md"]).read_text()
+  groups_head = next(ln for ln in md.splitlines() if "| n_seeds |" in ln).split(" | ")
+  i = groups_head.index("n_seeds")
+  assert groups_head[i + 1 : i + 3] == ["eval_loss", "final_loss"]
+  assert "max_grad_norm (gmean)" in groups_head
+  paired_head = next(ln for ln in md.splitlines() if "mixer_a | mixer_b" in ln)
+  cells = paired_head.split(" | ")
+  assert cells[cells.index("n_pairs") + 1].startswith("Δ eval_loss")
+  assert "ratio max_grad_norm" in paired_head or "ratio amax_fwd_composite" in paired_head
+
+
+def test_a_star_needs_more_than_rounding():
+  rows = []
+  for m, gain, loss in (
+    ("mhc", 1.0, 2.6),
+    ("mhc_lite", 1.0 + 2.4e-7, 2.6 + 2.4e-7),
+    ("hc", 9.0, 2.4),
+  ):
+    for s in range(3):
+      rows.append(
+        (f"{m}{s}", m, 4, s, "done", 100, loss + 0.01 * s, gain * (1 + 0.1 * s * (m == "hc")))
+      )
+  df = pd.DataFrame(
+    rows,
+    columns=[
+      "run",
+      "mixer",
+      "depth",
+      "seed",
+      "status",
+      "steps",
+      "eval_loss",
+      "amax_fwd_composite_max",
+    ],
+  )
+  shown = _paired_display(paired_table(df)).set_index(["mixer_a", "mixer_b"])
+  assert not shown.loc[("mhc", "mhc_lite"), "Δ eval_loss"].endswith("*")  # 2.4e-7: rounding
+  assert not shown.loc[("mhc", "mhc_lite"), "ratio amax_fwd_composite_max"].endswith("*")
+  assert shown.loc[("hc", "mhc"), "Δ eval_loss"].endswith("*")
+  assert shown.loc[("hc", "mhc"), "ratio amax_fwd_composite_max"].endswith("*")
+
+
+def _scale_table():
+  """hc_mhc_scale as it was: hc and mhc at depth 32, widths 32-128, 3 seeds each (held-out loss
+  and per-token composite gain per run, from docs/studies/hc_mhc_scale/summary.csv's final
+  losses)."""
+  loss = {
+    ("hc", 32): (2.433, 2.461, 2.536),
+    ("hc", 64): (2.253, 2.317, 2.327),
+    ("hc", 128): (2.213, 2.219, 2.316),
+    ("mhc", 32): (2.588, 2.609, 2.603),
+    ("mhc", 64): (2.324, 2.408, 2.506),
+    ("mhc", 128): (2.318, 2.443, 2.562),
+  }
+  rows = []
+  for (m, w), vals in loss.items():
+    for s, v in enumerate(vals):
+      rows.append((f"{m}_{w}_{s}", m, w, s, 32, "done", 149, v, v + 0.01, 0, 2.0, 2.0))
+  return pd.DataFrame(
+    rows,
+    columns=[
+      "run",
+      "mixer",
+      "width",
+      "seed",
+      "depth",
+      "status",
+      "steps",
+      "eval_loss",
+      "final_loss",
+      "spike_count",
+      "amax_fwd_composite_max",
+      "amax_fwd_composite_tok_mean_max",
+    ],
+  )
+
+
+def test_finding_quotes_one_group_with_its_n():
+  table = _scale_table()
+  text = finding(table)
+  m = re.match(
+    r"At width (\d+), hc reached a lower held-out loss than mhc: ([\d.]+) vs ([\d.]+) nats per "
+    r"token \(means over 3 seeds each\); paired difference mhc - hc \+([\d.]+) nats, 95% CI "
+    r"\[([-\d.e]+), ([-\d.e]+)\], n = 3 seed pairs",
+    text,
+  )
+  assert m, text
+  width = int(m.group(1))
+  g = table[table["width"] == width].groupby("mixer")["eval_loss"].mean()
+  assert float(m.group(2)) == pytest.approx(g["hc"], rel=2e-3)
+  assert float(m.group(3)) == pytest.approx(g["mhc"], rel=2e-3)
+  row = paired_table(table)
+  row = row[(row["width"] == width) & (row["metric"] == "eval_loss")].iloc[0]
+  assert (float(m.group(4)), float(m.group(5)), float(m.group(6))) == pytest.approx(
+    (row["diff_mean"], row["diff_ci_lo"], row["diff_ci_hi"]), rel=2e-3
+  )
+  pooled = table.groupby("mixer")["eval_loss"].mean()
+  assert f"{pooled['hc']:.3g} vs" not in text  # never the means pooled over widths
+  assert "9 runs" not in text and "means over 9" not in text
+  # the other widths are counted, not quoted
+  n_sig = sum(
+    bool(r["significant"]) for _, r in paired_table(table).iterrows() if r["metric"] == "eval_loss"
+  )
+  assert text.endswith(f"the paired interval excludes 0 at {n_sig} of 3 widths.")
+
+
+def test_finding_counts_the_runs_that_learned():
+  kl = {  # docs/studies/bayes_depth at depth 8: one residual seed learned
+    "residual": (1.313, 1.704, 0.0075),
+    "hc": (2.059, 0.0447, 0.00018),
+    "mhc": (1.547, 0.00097, 0.00006),
+    "mhc_lite": (0.0011, 0.0949, 0.0116),
+  }
+  rows = [
+    (f"{m}{s}", m, 8, s, "done", 2000, 0.65 + v, v, 30, 1.0, 1.0)
+    for m, vals in kl.items()
+    for s, v in enumerate(vals)
+  ]
+  text = finding(_table(rows))
+  assert "did not" not in text, text
+  assert text.startswith("mhc_lite learned the task in 3 of 3 runs (mean KL 0.0359 bits"), text
+  assert "residual in 1 of 3 (mean 1.01 bits)" in text

@@ -42,6 +42,7 @@ __all__ = [
   "loss_curves",
   "grad_norm_curves",
   "composite_gain_vs_depth",
+  "stream_spread_vs_layer",
   "pick_heatmap_runs",
   "layer_heatmap",
   "lr_sensitivity_curves",
@@ -57,7 +58,8 @@ _ROLE_COLS = ("run", "mixer", "lr", "seed")
 CAPTIONS = {
   "loss_curves": "Training loss (nats per token) against step, {panel_text}. "
   "Colour = mixer{shade_text}{style_text}.{seed_text} "
-  "× marks a detected loss spike (a spike/loss event: loss above the mean + 6σ of the trailing 128 steps); "
+  "× marks a detected loss spike (a spike/loss event: a step change of the loss more than 6 robust SDs "
+  "above the recent trend, mhc_jax/spikes.py); "
   "▼ at the top edge marks the step where a run's loss first became NaN/inf, where its curve stops. "
   "Read: lower and smoother is better; x's and curves that turn upward are instabilities.",
   "grad_norms": "Global gradient norm (L2, before clipping) against step, log scale, {panel_text}. "
@@ -77,6 +79,12 @@ CAPTIONS = {
   "line is 1 (the residual path neither "
   "amplifies nor attenuates). Read: a line that climbs with depth means per-layer gains compound "
   "(unconstrained HC); a flat line at 1 is what the doubly stochastic constraint of mHC buys.",
+  "stream_spread": "Stream spread after each mixer layer at the last diagnostics step: "
+  "RMS(x - mean over streams) / RMS(x) of the stream state, {panel_text}. Colour = mixer{style_text}."
+  "{seed_text} 0 means one stream (residual) or streams that collapsed into copies of each other; "
+  "HC's spread typically peaks mid-depth and falls near the output. Log scale where every value is "
+  "positive and they span 30x or more. Read: a multi-stream mixer whose line lies on the floor uses "
+  "its n streams as one.",
   "heatmap": "Per-layer gains over training, one figure per run. Left: gain_fwd = RMS(stream out) / "
   "RMS(stream in) of each mixer layer (rows, bottom = first attention sublayer, attention and MLP "
   "alternate); right: composite forward Amax gain of the product of H_res up to that layer (top row = "
@@ -527,7 +535,7 @@ def composite_gain_vs_depth(
         zorder=2 + j + (0.5 if kind == "tok" else 0),
       )
       if banded:
-        band = g.apply(lambda v: _log_ci(v.to_numpy(dtype=float)))
+        band = g.apply(lambda v: _log_band(v.to_numpy(dtype=float)))
         x = band.index.to_numpy()
         mid, lo, hi = (np.array([b[k] for b in band]) for k in range(3))
         ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0, zorder=1)
@@ -572,15 +580,93 @@ def composite_gain_vs_depth(
   return _save(fig, path, dpi)
 
 
-def _log_ci(values: np.ndarray) -> tuple[float, float, float]:
-  """(geometric mean, lo, hi) of positive values: the Student t interval of their logs, exp'd."""
-  v = values[np.isfinite(values) & (values > 0)]
-  if v.size == 0:
-    return math.nan, math.nan, math.nan
-  mean, lo, hi, n = stats.mean_ci(np.log(v))
-  if n < 2:
-    lo = hi = mean
-  return math.exp(mean), math.exp(lo), math.exp(hi)
+def _log_band(values: np.ndarray) -> tuple[float, float, float]:
+  """(geometric mean, lo, hi) over seeds (:func:`mhc_jax.sweep.stats.mean_ci` on the log scale);
+  one seed: its value, no band."""
+  mid, lo, hi, n = stats.mean_ci(values, log=True)
+  return (mid, mid, mid) if n < 2 else (mid, lo, hi)
+
+
+def stream_spread_vs_layer(
+  metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110
+) -> str | None:
+  """Stream spread (``stream_spread``: one value per mixer layer) at the last logged
+  diagnostics step against the layer, one panel per depth (or width), one line per mixer (a mean
+  line with a min-max band where runs differ only in the seed). ``None`` where no run logged
+  it (older logs, mixers without streams)."""
+  if metrics is None or not len(metrics) or "stream_spread" not in metrics.columns:
+    return None
+  last = {}
+  for name, df in metrics.groupby("run", sort=False):
+    steps, mat = _layer_matrix(df, "stream_spread")
+    if steps.size and np.isfinite(mat[:, -1]).any():
+      last[name] = mat[:, -1]
+  if not last:
+    return None
+  runs = runs[runs["run"].isin(set(last))]
+  allv = np.concatenate(list(last.values()))
+  fin = allv[np.isfinite(allv)]
+  log = bool(fin.size) and fin.min() > 0 and fin.max() / fin.min() >= 30
+  panel = _panel_col(runs)
+  styles = _style_cols(runs, panel)
+  style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
+  colors = mixer_colors(_mixer_of(runs))
+  pvals = (
+    sorted(runs[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
+    if panel
+    else [None]
+  )
+  fig, axes = _grid(len(pvals))
+  max_band = 0
+  for ax, pv in zip(axes, pvals):
+    sub = runs if panel is None else runs[runs[panel] == pv]
+    for members in _seed_groups(sub):
+      r = members.iloc[0]
+      c = colors[str(r["mixer"]) if "mixer" in r else "run"]
+      ls = _STYLES[style_keys.index(tuple(str(r[s]) for s in styles)) % len(_STYLES)]
+      vals = [last[n] for n in members["run"]]
+      nl = max(v.size for v in vals)
+      mat = np.full((len(vals), nl), np.nan)
+      for i, v in enumerate(vals):
+        mat[i, : v.size] = v
+      x = np.arange(nl)
+      if len(vals) > 1:
+        ok = np.isfinite(mat) & ((mat > 0) if log else True)
+        v = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
+        mid, lo, hi = v.mean(axis=0), v.min(axis=0), v.max(axis=0)
+        if log:
+          mid, lo, hi = np.exp(mid), np.exp(lo), np.exp(hi)
+        ax.fill_between(x, lo, hi, color=c, alpha=0.22, lw=0)
+        max_band = max(max_band, len(vals))
+      else:
+        mid = mat[0]
+      ax.plot(x, mid, color=c, ls=ls, lw=1.6, marker="o", ms=3)
+    if log:
+      ax.set_yscale("log")
+    ax.set_title(_panel_title(panel, pv) if panel else "", fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+  for ax in axes:
+    ax.set_xlabel("mixer layer (attn 0, mlp 0, attn 1, ...)")
+    ax.set_ylabel("stream spread")
+    ax.label_outer()
+    if log:
+      _plain_log_ticks(ax)
+  handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
+  if styles:
+    handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
+    handles += [
+      Line2D(
+        [], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5, label="  " + ", ".join(k)
+      )
+      for i, k in enumerate(style_keys)
+    ]
+  if max_band:
+    handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
+  fig.legend(
+    handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False
+  )
+  fig.suptitle("Stream spread against layer (last diagnostics step)", fontsize=12)
+  return _save(fig, path, dpi)
 
 
 def pick_heatmap_runs(metrics: pd.DataFrame, runs: pd.DataFrame, max_runs: int = 6) -> list[str]:

@@ -13,7 +13,10 @@ more mixers), ``lr_sensitivity.csv`` (when there is an lr axis), PNG plots and `
 
 Intervals are Student t over seeds (mean ± t(0.975, n-1)·s/√n), not a bootstrap: with the
 3-5 seeds a sweep affords, a percentile bootstrap's 95% interval covers the mean only about
-73% (n = 3) to 82% (n = 5) of the time; see :mod:`mhc_jax.sweep.stats`.
+73% (n = 3) to 82% (n = 5) of the time; see :mod:`mhc_jax.sweep.stats`. The :data:`LOG_SCALE`
+columns (gains, gradient norms, stream spreads) are summarised on the log scale: geometric
+means, intervals of the logs back-transformed, paired comparisons as ratios. The held-out loss
+``eval_loss`` is the primary endpoint: the tables and the sentence lead with it.
 
 Column definitions (also written into the report, see :data:`COLUMN_DOCS`). "Logged" values
 are read from ``metrics.jsonl`` with records merged per step (later keys win, as
@@ -55,6 +58,7 @@ __all__ = [
   "lr_sensitivity_table",
   "LATER_COLUMNS",
   "GROUP_METRICS",
+  "LOG_SCALE",
   "COMPOSITE_SENTENCES",
   "group_columns",
   "groups_table",
@@ -72,13 +76,18 @@ COLUMN_DOCS: dict[str, str] = {
   "the manifest has none",
   "steps": "last logged step in metrics.jsonl (0 when nothing is logged)",
   "loss_init": "first logged loss",
-  "final_loss": "mean of the last 5% of the logged losses (ceil(n/20), at least 1); NaN/inf if any "
-  "of them is",
+  "eval_loss": "held-out loss, the primary endpoint: last logged eval/loss in metrics.jsonl (the loss "
+  "on data.eval_batches validation batches at the last evaluation, train.eval_every); NaN without "
+  "evaluations",
+  "final_loss": "final training loss (secondary): mean of the last 5% of the logged training losses "
+  "(ceil(n/20), at least 1); NaN/inf if any of them is",
   "min_loss": "minimum over the finite logged losses",
   "spike_count": "number of events of kind spike/* in events.jsonl (a step where loss and grad norm "
-  "both spike counts twice); NA for a run with no metrics",
+  "both spike counts twice; mhc_jax/spikes.py has the rule); NA for a run with no metrics",
   "spike_score": "last logged spike_score (fraction of spike steps in the trailing window)",
-  "max_grad_norm": "maximum logged grad_norm (before clipping) over steps, NaN entries ignored, inf kept",
+  "max_grad_norm": "maximum logged grad_norm (before clipping) over the steps after the learning-rate "
+  "warm-up (step >= optim.warmup_steps of config.yaml; every step where the config has none), NaN "
+  "entries ignored, inf kept; the step-0 gradient of a fresh initialisation is not counted",
   "amax_fwd_composite_max": "token-averaged composite: max over steps of the last layer's amax_fwd_composite, "
   "the forward Amax gain (max |row sum|) of the whole-depth product of the token-mean H_res (what the mHC "
   "paper plots)",
@@ -105,6 +114,13 @@ COLUMN_DOCS: dict[str, str] = {
   "growth_exponent": "last logged growth_exponent (activations over the 2L mixer layers: "
   "(1/(2L)) ln(RMS(x_2L)/RMS(x_0)), x_0 the stream entering the first mixer layer, x_2L the one leaving the "
   "last)",
+  "stream_spread_last": "stream spread after the last mixer layer at the last diagnostics step: "
+  "RMS(x - mean over streams) / RMS(x) of the stream state (0 for a single stream; near 0 = the "
+  "streams collapsed into one); n/a where the logs lack stream_spread (older logs, or a mixer whose "
+  "state is not streams)",
+  "stream_spread_mean": "the same, averaged over the 2L mixer layers (HC's spread peaks mid-depth "
+  "and can fall near the output, so the last layer alone can hide it)",
+  "stream_spread_min": "the same, the minimum over the mixer layers",
   "kl_bits": "last logged eval/kl_bits (KL to the exact posterior, bits; wind tunnels only, else NaN)",
   "attn_logit_max": "max over diagnostics steps and layers of attn_logit_max, the largest pre-softmax "
   "attention logit (Wortsman et al.'s attention-logit growth); NaN without per-layer diagnostics",
@@ -141,9 +157,20 @@ LATER_COLUMNS: dict[str, tuple[str, str]] = {
   },
   **{f"amin_{d}_composite_min": (f"amin_{d}_composite", "min") for d in ("fwd", "bwd")},
   **{f"amax_{d}_suffix_max_all_layers": (f"amax_{d}_suffix", "all layers") for d in ("fwd", "bwd")},
+  **{f"stream_spread_{k}": ("stream_spread", f"last step: {k}") for k in ("last", "mean", "min")},
 }
 #: Numeric columns that are summarised over seeds (report/groups.csv, report/paired.csv).
 GROUP_METRICS = [c for c in METRIC_COLUMNS if c not in ("status", "note", "steps")]
+#: The summary columns summarised on the log scale (positive and heavy-tailed: gains, gradient
+#: norms, stream spreads): geometric mean with the t interval of the logs, back-transformed, and
+#: paired comparisons as ratios (:mod:`mhc_jax.sweep.stats`, docs/statistics.md). The one place
+#: this is decided; every other metric is summarised on the raw scale.
+LOG_SCALE = frozenset(
+  [
+    "max_grad_norm",
+    *(c for c in METRIC_COLUMNS if c.startswith(("amax_", "amin_", "stream_spread_"))),
+  ]
+)
 #: What the two kinds of composite gain mean, one sentence each (the report and notebook 02).
 COMPOSITE_SENTENCES = {
   "token-averaged": "Token-averaged composite (amax_*_composite): the Amax gain of the product over layers "
@@ -263,10 +290,12 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
   summary = _read_summary(run_dir)
 
   loss_steps, losses = _scalars(records, "loss")
-  _, grads = _scalars(records, "grad_norm")
+  grad_steps, grads = _scalars(records, "grad_norm")
+  warmup = _read_config(run_dir).get("optim.warmup_steps") or 0
   out: dict[str, Any] = {"status": summary.get("status")}
   out["steps"] = int(records[-1]["step"]) if records else 0
   out["loss_init"] = _last(losses[:1])
+  out["eval_loss"] = _last(_scalars(records, "eval/loss")[1])
   out["final_loss"] = final_loss_of(losses)
   finite = losses[np.isfinite(losses)]
   out["min_loss"] = float(finite.min()) if finite.size else math.nan
@@ -275,7 +304,7 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
   )
   out["spike_count"] = int(kinds.str.startswith("spike/").sum())
   out["spike_score"] = _last(_scalars(records, "spike_score")[1])
-  out["max_grad_norm"] = _nanmax(grads)
+  out["max_grad_norm"] = _nanmax(grads[grad_steps >= warmup]) if grads.size else math.nan
   for d in ("fwd", "bwd"):
     lists = _layer_lists(records, f"amax_{d}_composite")
     out[f"amax_{d}_composite_max"] = _nanmax(np.array([x[-1] for x in lists]))
@@ -290,6 +319,10 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
       not_logged.append(col)
     elif how == "all layers":
       out[col] = _nanmax(np.concatenate(lists))
+    elif how.startswith("last step"):
+      last = lists[-1]
+      pick = {"last": last[-1], "mean": np.mean(last), "min": np.min(last)}
+      out[col] = float(pick[how.split(": ")[1]])
     elif how == "min":
       out[col] = -_nanmax(-np.array([x[-1] for x in lists]))
     else:
@@ -333,6 +366,7 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
       "per-token composite": "_tok_",
       "amin composite": "amin_",
       "suffix products": "_suffix",
+      "stream spread": "stream_spread",
     }
     notes.append(
       "not logged: "
@@ -606,35 +640,28 @@ def groups_table(df: pd.DataFrame) -> pd.DataFrame:
   """Runs that differ only in the seed, summarised: one row per group (equal values of
   :func:`group_columns`) with the group columns, ``n_runs`` (runs in the manifest),
   ``n_seeds`` (runs with logged metrics, the ones that count), ``seeds``, then for each of
-  :data:`GROUP_METRICS` ``<metric>_mean``, ``<metric>_ci_lo``, ``<metric>_ci_hi``: the mean
-  over the group's seeds and its 95% Student t interval (:mod:`mhc_jax.sweep.stats`; a NaN
-  or inf in any seed makes the mean NaN/inf and the interval NaN; one seed has no interval).
-  A sweep without seeds gives one row per run with ``n_seeds`` 1.
+  :data:`GROUP_METRICS` its centre, ``<metric>_ci_lo`` and ``<metric>_ci_hi``: the mean over
+  the group's seeds (``<metric>_mean``) and its 95% Student t interval, or for the
+  :data:`LOG_SCALE` metrics the geometric mean (``<metric>_gmean``) and the interval computed on
+  the logs (:mod:`mhc_jax.sweep.stats`; a NaN or inf in any seed makes the centre NaN/inf and
+  the interval NaN; one seed has no interval). A sweep without seeds gives one row per run with
+  ``n_seeds`` 1.
   """
   gcols = group_columns(df)
   metrics = [m for m in GROUP_METRICS if m in df.columns]
   unit = "seed" if "seed" in df.columns else None
+  stat_cols = [c for m in metrics for c in (stats.centre(m, LOG_SCALE), f"{m}_ci_lo", f"{m}_ci_hi")]
   parts = []
   for key, g in stats.split(df, gcols):
     done = g[g["steps"] > 0]
-    row = stats.group_stats(done, [], metrics, unit_col=unit)
+    row = stats.group_stats(done, [], metrics, log_metrics=LOG_SCALE, unit_col=unit)
     if not len(done):
-      row = pd.DataFrame(
-        [
-          {
-            "n_seeds": 0,
-            "seeds": "",
-            **{f"{m}_{s}": math.nan for m in metrics for s in ("mean", "ci_lo", "ci_hi")},
-          }
-        ]
-      )
+      row = pd.DataFrame([{"n_seeds": 0, "seeds": "", **{c: math.nan for c in stat_cols}}])
     for c, v in reversed(list(zip(gcols, key))):
       row.insert(0, c, [v])
     row.insert(len(gcols), "n_runs", [len(g)])
     parts.append(row)
-  cols = [*gcols, "n_runs", "n_seeds", "seeds"] + [
-    f"{m}_{s}" for m in metrics for s in ("mean", "ci_lo", "ci_hi")
-  ]
+  cols = [*gcols, "n_runs", "n_seeds", "seeds", *stat_cols]
   out = pd.concat(parts, ignore_index=True)[cols] if parts else pd.DataFrame(columns=cols)
   for c in gcols:
     if c in df.columns and str(df[c].dtype) == "Int64":
@@ -643,7 +670,10 @@ def groups_table(df: pd.DataFrame) -> pd.DataFrame:
   return out
 
 
-PAIRED_METRICS_SHOWN = [
+#: The metrics shown (in this order) in the groups and paired tables of the page and summary.md,
+#: led by the primary endpoint; groups.csv and paired.csv have every metric.
+SHOWN_METRICS = [
+  "eval_loss",
   "final_loss",
   "kl_bits",
   "spike_count",
@@ -652,17 +682,22 @@ PAIRED_METRICS_SHOWN = [
   "amax_bwd_composite_tok_mean_max",
   "amax_fwd_composite_max",
   "amax_bwd_composite_max",
+  "stream_spread_last",
+  "stream_spread_mean",
 ]
 
 
 def paired_table(df: pd.DataFrame) -> pd.DataFrame:
-  """Paired differences between mixers by seed: for each group of the other identifying
+  """Paired comparisons between mixers by seed: for each group of the other identifying
   columns (depth, width, lr ...), each pair of mixers ``mixer_a`` before ``mixer_b`` (order:
   residual, hc, mhc, mhc_lite, then by name) and each of :data:`GROUP_METRICS`, the runs of
-  the two mixers that share a seed are paired and the row holds ``n_pairs``, ``seeds``,
-  ``mean_a``, ``mean_b`` and the mean and 95% Student t interval of ``b - a``
-  (``diff_mean``, ``diff_ci_lo``, ``diff_ci_hi``). Only runs with logged metrics count. An
-  empty frame (with the columns) when fewer than two mixers have results.
+  the two mixers that share a seed are paired and the row holds ``scale``, ``n_pairs``,
+  ``seeds``, ``mean_a``, ``mean_b``, the mean and 95% Student t interval of ``b - a``
+  (``diff_mean``, ``diff_ci_lo``, ``diff_ci_hi``) or, for the :data:`LOG_SCALE` metrics, the
+  geometric mean ratio ``b / a`` and its interval (``ratio_mean``, ``ratio_ci_lo``,
+  ``ratio_ci_hi``; means geometric too), and ``significant`` (the interval clears 0, or 1,
+  by more than rounding: :func:`mhc_jax.sweep.stats.significant`). Only runs with logged
+  metrics count. An empty frame (with the columns) when fewer than two mixers have results.
   """
   context = [c for c in group_columns(df) if c != "mixer"]
   metrics = [m for m in GROUP_METRICS if m in df.columns]
@@ -674,7 +709,13 @@ def paired_table(df: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(columns=cols)
   done = done.assign(mixer=done["mixer"].astype(str))
   out = stats.paired_stats(
-    done, "mixer", context, metrics, unit_col="seed", order=_mixer_order(done["mixer"])
+    done,
+    "mixer",
+    context,
+    metrics,
+    log_metrics=LOG_SCALE,
+    unit_col="seed",
+    order=_mixer_order(done["mixer"]),
   )
   out = out.rename(columns={"a": "mixer_a", "b": "mixer_b"})[cols]
   out.attrs = {"context_columns": context}
@@ -688,49 +729,47 @@ def _ci_text(mean: float, lo: float, hi: float) -> str:
 
 
 def _groups_display(groups: pd.DataFrame) -> pd.DataFrame:
-  """The groups with "mean [ci_lo, ci_hi]" cells for the main metrics (the page and summary.md)."""
-  shown = [
-    "final_loss",
-    "kl_bits",
-    "spike_count",
-    "max_grad_norm",
-    "amax_fwd_composite_max",
-    "amax_fwd_composite_tok_mean_max",
-    "amax_bwd_composite_max",
-    "amax_bwd_composite_tok_mean_max",
-  ]
+  """The groups with "mean [ci_lo, ci_hi]" cells for the :data:`SHOWN_METRICS` (geometric means
+  for the :data:`LOG_SCALE` ones, headed "<metric> (gmean)"), for the page and summary.md."""
   out = groups[[*groups.attrs.get("group_columns", []), "n_seeds"]].copy()
-  for m in shown:
-    if f"{m}_mean" not in groups.columns or not groups[f"{m}_mean"].notna().any():
+  for m in SHOWN_METRICS:
+    mid = stats.centre(m, LOG_SCALE)
+    if mid not in groups.columns or not groups[mid].notna().any():
       continue
-    out[m] = [
-      _ci_text(a, b, c)
-      for a, b, c in zip(groups[f"{m}_mean"], groups[f"{m}_ci_lo"], groups[f"{m}_ci_hi"])
+    head = f"{m} (gmean)" if m in LOG_SCALE else m
+    out[head] = [
+      _ci_text(a, b, c) for a, b, c in zip(groups[mid], groups[f"{m}_ci_lo"], groups[f"{m}_ci_hi"])
     ]
   return out
 
 
 def _paired_display(paired: pd.DataFrame) -> pd.DataFrame:
-  """One row per (context, mixer pair), one "b - a" cell per main metric: mean [95% CI], with
-  a trailing * where the interval excludes 0."""
+  """One row per (context, mixer pair), one cell per :data:`SHOWN_METRICS` metric: "Δ <metric>"
+  (b - a) or, on the log scale, "ratio <metric>" (b / a), as mean [95% CI] with a trailing *
+  where the interval clears 0 (or 1) by more than rounding (``significant``)."""
   ctx = paired.attrs.get("context_columns", [])
-  d = paired[paired["metric"].isin(PAIRED_METRICS_SHOWN)]
-  shown = [m for m in PAIRED_METRICS_SHOWN if d.loc[d["metric"] == m, "diff_mean"].notna().any()]
+  if not len(paired):
+    return pd.DataFrame(columns=[*ctx, "mixer_a", "mixer_b", "n_pairs"])
+  d = paired[paired["metric"].isin(SHOWN_METRICS)]
+  cell = {m: ("ratio", "ratio") if m in LOG_SCALE else ("Δ", "diff") for m in SHOWN_METRICS}
+  shown = [m for m in SHOWN_METRICS if d.loc[d["metric"] == m, f"{cell[m][1]}_mean"].notna().any()]
   rows = []
   for key, g in stats.split(d, [*ctx, "mixer_a", "mixer_b"]):
     row = dict(zip([*ctx, "mixer_a", "mixer_b"], key))
     row["n_pairs"] = int(g["n_pairs"].max())
     by = g.set_index("metric")
     for m in shown:
+      word, col = cell[m]
       if m not in by.index:
-        row[f"Δ {m}"] = ""
+        row[f"{word} {m}"] = ""
         continue
-      mean, lo, hi = (float(by.loc[m, c]) for c in ("diff_mean", "diff_ci_lo", "diff_ci_hi"))
-      star = " *" if math.isfinite(lo) and math.isfinite(hi) and (lo > 0 or hi < 0) else ""
-      row[f"Δ {m}"] = _ci_text(mean, lo, hi) + star
+      mean, lo, hi = (float(by.loc[m, f"{col}_{k}"]) for k in ("mean", "ci_lo", "ci_hi"))
+      star = " *" if bool(by.loc[m, "significant"]) else ""
+      row[f"{word} {m}"] = _ci_text(mean, lo, hi) + star
     rows.append(row)
   return pd.DataFrame(
-    rows, columns=[*ctx, "mixer_a", "mixer_b", "n_pairs", *(f"Δ {m}" for m in shown)]
+    rows,
+    columns=[*ctx, "mixer_a", "mixer_b", "n_pairs", *(f"{cell[m][0]} {m}" for m in shown)],
   )
 
 
@@ -777,16 +816,21 @@ def finding(df: pd.DataFrame) -> str:
   """ONE plain sentence saying what differs between the mixers of a sweep, from the numbers
   of its summary table (:func:`summary_table`); never fixed text.
 
-  The first of these that the numbers show is said (thresholds in :data:`FINDING_RULES`):
-  some mixer's runs diverged (final loss NaN/inf) and another's did not; a mixer learned the
-  wind tunnel (KL to the exact posterior at most 1/4 of the worst mixer's and 0.1 bits below
-  it) while another did not; a mixer's composite Amax gain (per-token mean where logged,
-  else token-averaged; forward or backward, whichever grew more) grew with depth by 1.5x or
-  more while another's grew much less; a mixer had loss/gradient spikes and another none;
-  final losses differ by 3% or more (with seeds: only where the paired 95% interval over
-  seeds excludes 0). Otherwise it says the mixers did not differ clearly, with the ranges.
-  Runs sharing a mixer and depth (seeds, other axes) are averaged; "(means over N seeds)"
-  says so where the sentence quotes means (counts of runs and spikes are totals).
+  Runs are compared within a *group*: equal values of every identifying column but the mixer
+  and the seed (depth, width, lr ...), so the seeds of a group are the only runs averaged, and
+  a sentence that quotes a group's numbers names it ("At width 32, ...") and says over how many
+  runs or seed pairs. The first of these that the numbers show is said (thresholds in
+  :data:`FINDING_RULES`): some mixer's runs diverged (final loss NaN/inf) and another's did not
+  (counts of runs over the sweep); in a group, a mixer learned the wind tunnel (mean KL to the
+  exact posterior at most 1/4 of the worst mixer's and 0.1 bits below it), with every mixer's
+  count of runs that learned; a mixer's composite Amax gain (per-token mean where logged, else
+  token-averaged; forward or backward, whichever grew more; geometric means over seeds) grew
+  with depth by 1.5x or more while another's grew much less; a mixer had loss/gradient spikes
+  and another none (totals over the sweep); in a group, the held-out loss (``eval_loss``; the
+  final training loss where no run has one) differs by 3% or more, with seeds only where the
+  group's paired 95% interval clears 0 (:func:`mhc_jax.sweep.stats.significant`), quoting that
+  interval and counting the groups where it does. Otherwise it says the mixers did not differ
+  clearly, with the ranges over all runs.
   """
   d = df[df["steps"] > 0] if "steps" in df.columns else df
   if not len(d):
@@ -797,46 +841,61 @@ def finding(df: pd.DataFrame) -> str:
     loss = loss[np.isfinite(loss)]
     tail = f" (final loss {_band(loss.min(), loss.max())})" if loss.size else ""
     return f"Only one mixer ({m}) has results{tail}, so there is no comparison between mixers."
-  d = d.assign(
-    mixer=d["mixer"].astype(str), _depth=_num_series(d["depth"]) if "depth" in d.columns else np.nan
-  )
+  d = d.assign(mixer=d["mixer"].astype(str))
   order = _mixer_order(d["mixer"])
-  depths = sorted(x for x in d["_depth"].unique() if np.isfinite(x))
-  seeds_n = 1
-  if "seed" in d.columns:
-    per = d.groupby(["mixer", "_depth"], dropna=False)["seed"].nunique()
-    seeds_n = int(per.max()) if len(per) else 1
-  suffix = f" (means over {seeds_n} seeds)" if seeds_n > 1 else ""
-  for rule, means in (
-    (_finding_divergence, False),
-    (_finding_learning, True),
-    (_finding_growth, True),
-    (_finding_spikes, False),
-    (_finding_loss, True),
-  ):
-    text = rule(d, order, depths)
+  ctx = [
+    c
+    for c in group_columns(df)
+    if c != "mixer" and c in d.columns and d[c].map(stats._key).nunique() > 1
+  ]
+  for rule in (_finding_divergence, _finding_learning, _finding_growth, _finding_spikes):
+    text = rule(d, order, ctx)
     if text:
-      return text.rstrip(".") + (suffix if means else "") + "."
-  return _finding_none(d, order) + suffix + "."
+      return text + "."
+  return (_finding_loss(d, order, ctx) or _finding_none(d, order)) + "."
 
 
-def _at(depth: float, depths: list) -> str:
-  return f"at depth {_g(depth)}" if len(depths) > 1 and math.isfinite(depth) else ""
+def _groups(d: pd.DataFrame, ctx: list[str]) -> list[tuple[tuple, pd.DataFrame]]:
+  """``d`` split by the ``ctx`` columns, largest values first (deepest, widest)."""
+
+  def rank(key: tuple) -> tuple:
+    nums = _num_series(pd.Series(list(key), dtype=object))
+    return tuple((-x if np.isfinite(x) else math.inf, str(v)) for x, v in zip(nums, key))
+
+  return sorted(stats.split(d, ctx), key=lambda kv: rank(kv[0]))
 
 
-def _by(d: pd.DataFrame, col: str) -> pd.DataFrame:
-  """Mean of ``col`` per (mixer, depth), non-finite propagated; a frame mixer x depth."""
-  vals = d.assign(_v=_num_series(d[col]))
+def _label(ctx: list[str], key: tuple) -> str:
+  """ "depth 8 and width 32" for a group (empty without group columns)."""
   return (
-    vals.groupby(["mixer", "_depth"], dropna=False)["_v"]
-    .apply(lambda s: float(np.mean(s)))
-    .unstack()
+    _join([f"{c} {_g(float(v)) if _is_num(v) else v}" for c, v in zip(ctx, key)]) if ctx else ""
   )
 
 
-def _finding_divergence(d, order, depths) -> str | None:
-  loss = _num_series(d["final_loss"])
-  bad = d.assign(_bad=~np.isfinite(loss))
+def _is_num(v) -> bool:
+  return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+
+
+def _head(ctx: list[str], key: tuple) -> str:
+  """ "At depth 8, " (or nothing) in front of a sentence about one group."""
+  return f"At {_label(ctx, key)}, " if ctx else ""
+
+
+def _runs(n: int, unit: str = "run") -> str:
+  return f"{n} {unit}{'s' if n != 1 else ''}"
+
+
+def _means_over(ns: list[int], unit: str) -> str:
+  """ "means over 3 seeds each", "means over 3 and 2 seeds", "one run each"."""
+  if max(ns) == 1:
+    return "one run each"
+  if len(set(ns)) == 1:
+    return f"means over {ns[0]} {unit}s each"
+  return f"means over {_join([str(n) for n in ns])} {unit}s"
+
+
+def _finding_divergence(d, order, ctx) -> str | None:
+  bad = d.assign(_bad=~np.isfinite(_num_series(d["final_loss"])))
   counts = {m: (int(g["_bad"].sum()), len(g)) for m, g in bad.groupby("mixer")}
   if not any(k for k, _ in counts.values()) or len({k / n for k, n in counts.values()}) == 1:
     return None
@@ -845,8 +904,8 @@ def _finding_divergence(d, order, depths) -> str | None:
   parts = []
   for m in hit:
     k, n = counts[m]
-    where = sorted(bad[(bad["mixer"] == m) & bad["_bad"]]["_depth"].unique())
-    at = f" (depth {_join([_g(x) for x in where])})" if len(depths) > 1 and where else ""
+    where = [_label(ctx, key) for key, g in _groups(bad[bad["mixer"] == m], ctx) if g["_bad"].any()]
+    at = f" ({'; '.join(where)})" if ctx and where else ""
     parts.append(f"{m} diverged in {k} of {n} runs{at}")
   text = _join(parts)
   if clean:
@@ -854,37 +913,53 @@ def _finding_divergence(d, order, depths) -> str | None:
   return text
 
 
-def _finding_learning(d, order, depths) -> str | None:
+def _finding_learning(d, order, ctx) -> str | None:
   if "kl_bits" not in d.columns:
     return None
-  kl = _by(d, "kl_bits")
   r = FINDING_RULES
-  for depth in sorted(kl.columns, key=lambda x: -x if np.isfinite(x) else math.inf):
-    col = kl[depth].dropna()
-    col = col[np.isfinite(col)]
-    if len(col) < 2:
+  for key, g in _groups(d, ctx):
+    kl = {m: _num_series(gm["kl_bits"]) for m, gm in g.groupby("mixer")}
+    mean = {m: float(np.mean(v)) for m, v in kl.items() if v.size and np.isfinite(v).all()}
+    if len(mean) < 2:
       continue
-    worst, best = col.max(), col.min()
+    worst, best = max(mean.values()), min(mean.values())
     if best > r["learned_ratio"] * worst or worst - best < r["learned_gap_bits"]:
       continue
-    good = [m for m in order if m in col and col[m] <= r["learned_ratio"] * worst]
-    poor = [m for m in order if m in col and col[m] >= 0.75 * worst]
-    mid = [m for m in order if m in col and m not in good and m not in poor]
-    at = _at(depth, depths)
-    head = (at[0].upper() + at[1:] + ", ") if at else ""
+    bar = min(r["learned_ratio"] * worst, worst - r["learned_gap_bits"])
+    ranked = sorted((m for m in order if m in mean), key=lambda m: mean[m])
+    learned = {m: int((kl[m] <= bar).sum()) for m in ranked}
+    if max(len(kl[m]) for m in ranked) == 1:  # one run each: learned or not
+      good = [m for m in ranked if learned[m]]
+      poor = [m for m in ranked if not learned[m] and mean[m] >= 0.75 * worst]
+      mid = [m for m in ranked if m not in good and m not in poor]
+      bits = lambda ms: _join([_g(mean[m]) for m in ms])  # noqa: E731
+      text = (
+        f"{_head(ctx, key)}{_join(good)} learned the task (KL {bits(good)} bits to the exact "
+        f"posterior) while {_join(poor)} did not ({bits(poor)} bits)"
+      )
+      return text + (f", with {_join(mid)} in between ({bits(mid)} bits)" if mid else "")
+    first, rest = ranked[0], ranked[1:]
     text = (
-      f"{head}{_join(good)} learned the task (KL {_join([_g(col[m]) for m in good])} bits to the exact "
-      f"posterior) while {_join(poor)} did not ({_join([_g(col[m]) for m in poor])} bits)"
+      f"{_head(ctx, key)}{first} learned the task in {learned[first]} of {len(kl[first])} runs "
+      f"(mean KL {_g(mean[first])} bits to the exact posterior)"
     )
-    if mid:
-      text += f", with {_join(mid)} in between ({_join([_g(col[m]) for m in mid])} bits)"
-    return text
+    others = [f"{m} in {learned[m]} of {len(kl[m])} (mean {_g(mean[m])} bits)" for m in rest]
+    return text + ", " + _join(others)
   return None
 
 
-def _finding_growth(d, order, depths) -> str | None:
-  if len(depths) < 2:
+def _finding_growth(d, order, ctx) -> str | None:
+  if "depth" not in ctx:
     return None
+  rest_ctx = [c for c in ctx if c != "depth"]
+  for key, g in _groups(d, rest_ctx):
+    text = _growth_in(g.assign(_depth=_num_series(g["depth"])), order)
+    if text:
+      return _head(rest_ctx, key) + text
+  return None
+
+
+def _growth_in(d: pd.DataFrame, order: list[str]) -> str | None:
   r = FINDING_RULES
   best = None
   for kind, pattern in (
@@ -895,11 +970,16 @@ def _finding_growth(d, order, depths) -> str | None:
       col = pattern.format(direction)
       if col not in d.columns:
         continue
-      tab = _by(d, col)
+      tab = (  # geometric mean over the seeds of each mixer and depth
+        d.assign(_v=_num_series(d[col]))
+        .groupby(["mixer", "_depth"])["_v"]
+        .apply(lambda v: stats.mean_ci(v, log=True)[0])
+        .unstack()
+      )
       tab = tab[[c for c in tab.columns if np.isfinite(c)]]
-      lo_d, hi_d = min(tab.columns), max(tab.columns)
-      if lo_d == hi_d:
+      if tab.shape[1] < 2:
         continue
+      lo_d, hi_d = min(tab.columns), max(tab.columns)
       ok = tab[np.isfinite(tab[lo_d]) & np.isfinite(tab[hi_d]) & (tab[lo_d] > 0)]
       if len(ok) < 2:
         continue
@@ -939,10 +1019,14 @@ def _finding_growth(d, order, depths) -> str | None:
   else:
     m = min(rest, key=lambda x: ratio[x])
     text += f" while {m}'s went only from {_g(ok.loc[m, lo_d])} to {_g(ok.loc[m, hi_d])}"
+  sizes = d[d["mixer"].isin([top, *rest])].groupby(["mixer", "_depth"]).size()
+  if sizes.max() > 1:
+    n = f"{sizes.min()}-{sizes.max()}" if sizes.min() != sizes.max() else str(sizes.max())
+    text += f" (geometric means over {n} seeds per mixer and depth)"
   return text
 
 
-def _finding_spikes(d, order, depths) -> str | None:
+def _finding_spikes(d, order, ctx) -> str | None:
   if "spike_count" not in d.columns:
     return None
   sc = d.assign(_s=_num_series(d["spike_count"]))
@@ -951,7 +1035,7 @@ def _finding_spikes(d, order, depths) -> str | None:
   none = [m for m in order if tot[m][0] == 0]
   if tot[most][0] < 2:
     return None
-  runs = lambda m: f"{tot[m][1]} run{'s' if tot[m][1] != 1 else ''}"  # noqa: E731
+  runs = lambda m: _runs(tot[m][1])  # noqa: E731
   if none:
     return (
       f"{most} had {int(tot[most][0])} loss/gradient spikes in its {runs(most)} while "
@@ -966,59 +1050,86 @@ def _finding_spikes(d, order, depths) -> str | None:
   return None
 
 
-def _finding_loss(d, order, depths) -> str | None:
-  loss = _by(d, "final_loss")
-  paired = None
-  if "seed" in d.columns and d["seed"].nunique() > 1:
-    paired = paired_table(d.drop(columns=["_depth"]))
-    paired = paired[paired["metric"] == "final_loss"] if len(paired) else paired
-  for depth in sorted(loss.columns, key=lambda x: -x if np.isfinite(x) else math.inf):
-    col = loss[depth]
-    col = col[np.isfinite(col)]
-    if len(col) < 2:
+def _endpoint(d: pd.DataFrame) -> tuple[str, str]:
+  """(column, words) of the loss the sentence compares: held-out where any run has it."""
+  if "eval_loss" in d.columns and np.isfinite(_num_series(d["eval_loss"])).any():
+    return "eval_loss", "held-out loss"
+  return "final_loss", "final training loss"
+
+
+def _finding_loss(d, order, ctx) -> str | None:
+  col, what = _endpoint(d)
+  unit = "seed" if "seed" in d.columns else "run"
+  paired = paired_table(d) if unit == "seed" and d["seed"].nunique() > 1 else None
+  if paired is not None:
+    paired = paired[paired["metric"] == col] if len(paired) else None
+
+  def row_for(key, a, b):
+    if paired is None:
+      return None
+    sel = paired[paired["mixer_a"].isin([a, b]) & paired["mixer_b"].isin([a, b])]
+    for c, v in zip(ctx, key):
+      sel = sel[sel[c].map(stats._key) == stats._key(v)]
+    return sel.iloc[0] if len(sel) and sel["n_pairs"].iloc[0] > 1 else None
+
+  for key, g in _groups(d, ctx):
+    vals = {m: _num_series(gm[col]) for m, gm in g.groupby("mixer")}
+    mean = pd.Series({m: float(np.mean(v)) for m, v in vals.items()})
+    mean = mean[np.isfinite(mean)]
+    if len(mean) < 2:
       continue
-    lo_m, hi_m = col.idxmin(), col.idxmax()
-    if (col[hi_m] - col[lo_m]) < FINDING_RULES["loss_rel_gap"] * abs(col[lo_m]):
+    lo_m, hi_m = mean.idxmin(), mean.idxmax()
+    if (mean[hi_m] - mean[lo_m]) < FINDING_RULES["loss_rel_gap"] * abs(mean[lo_m]):
       continue
-    ci = ""
-    if paired is not None and len(paired):
-      sel = paired[paired["mixer_a"].isin([lo_m, hi_m]) & paired["mixer_b"].isin([lo_m, hi_m])]
-      if "depth" in sel.columns and np.isfinite(depth):
-        sel = sel[_num_series(sel["depth"]) == depth]
-      if len(sel):
-        row = sel.iloc[0]
-        lo, hi = float(row["diff_ci_lo"]), float(row["diff_ci_hi"])
-        if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0 <= hi:
-          continue  # not distinguishable from seed noise
-        sign = 1 if row["mixer_b"] == hi_m else -1
-        a, b = sorted((sign * lo, sign * hi))
-        ci = f"; paired difference {_g(col[hi_m] - col[lo_m])}, 95% CI [{_g(a)}, {_g(b)}] nats"
-    at = _at(depth, depths)
-    head = (at[0].upper() + at[1:] + ", ") if at else ""
-    return (
-      f"{head}{lo_m} reached a lower final loss than {hi_m} ({_g(col[lo_m])} vs {_g(col[hi_m])} nats per "
-      f"token{ci})"
+    head = _head(ctx, key)
+    means = f"{_g(mean[lo_m])} vs {_g(mean[hi_m])} nats per token"
+    over = _means_over([len(vals[lo_m]), len(vals[hi_m])], unit)
+    row = row_for(key, lo_m, hi_m)
+    if row is None:
+      if max(len(vals[lo_m]), len(vals[hi_m])) > 1 and paired is not None:
+        continue  # seeds, but no pairs to tell the difference from seed noise
+      return f"{head}{lo_m} reached a lower {what} than {hi_m} ({means}, {over})"
+    if not row["significant"]:
+      continue  # not distinguishable from seed noise
+    sign = 1 if row["mixer_b"] == hi_m else -1
+    lo, hi = sorted((sign * float(row["diff_ci_lo"]), sign * float(row["diff_ci_hi"])))
+    text = (
+      f"{head}{lo_m} reached a lower {what} than {hi_m}: {means} ({over}); paired difference "
+      f"{hi_m} - {lo_m} {sign * float(row['diff_mean']):+.3g} nats, 95% CI [{_g(lo)}, {_g(hi)}], "
+      f"n = {int(row['n_pairs'])} seed pairs"
     )
+    keys = [k for k, _ in _groups(d, ctx)]
+    rows = [row_for(k, lo_m, hi_m) for k in keys]
+    rows = [r for r in rows if r is not None]
+    if len(rows) > 1:
+      same = sum(
+        bool(r["significant"]) and (1 if r["mixer_b"] == hi_m else -1) * r["diff_mean"] > 0
+        for r in rows
+      )
+      where = f"{ctx[0]}s" if len(ctx) == 1 else "groups"
+      text += f"; the paired interval excludes 0 at {same} of {len(rows)} {where}"
+    return text
   return None
 
 
 def _finding_none(d, order) -> str:
   parts = []
-  loss = _num_series(d["final_loss"])
+  col, what = _endpoint(d)
+  loss = _num_series(d[col])
   loss = loss[np.isfinite(loss)]
   if loss.size:
-    parts.append(f"final losses {_band(loss.min(), loss.max())} nats")
+    parts.append(f"{what}es {_band(loss.min(), loss.max())} nats")
   if "kl_bits" in d.columns:
     kl = _num_series(d["kl_bits"])
     kl = kl[np.isfinite(kl)]
     if kl.size:
       parts.append(f"KL {_band(kl.min(), kl.max())} bits")
-  for col, name in (
+  for c, name in (
     ("amax_fwd_composite_tok_mean_max", "per-token composite gains"),
     ("amax_fwd_composite_max", "token-averaged composite gains"),
   ):
-    if col in d.columns:
-      g = _num_series(d[col])
+    if c in d.columns:
+      g = _num_series(d[c])
       g = g[np.isfinite(g)]
       if g.size:
         parts.append(f"{name} {_band(g.min(), g.max())}")
@@ -1026,7 +1137,7 @@ def _finding_none(d, order) -> str:
   if "spike_count" in d.columns:
     n = float(np.nansum(_num_series(d["spike_count"])))
     parts.append("no spikes" if n == 0 else f"{int(n)} spikes in all")
-  return "The mixers did not differ clearly: " + (
+  return f"The mixers did not differ clearly over {_runs(len(d))}: " + (
     ", ".join(parts) if parts else "no comparable numbers"
   )
 
@@ -1142,7 +1253,7 @@ def write_report(
   ``groups_csv`` (:func:`groups_table`: mean and 95% interval over seeds per group),
   ``paired_csv`` (:func:`paired_table`: paired differences between mixers by seed; only with
   two or more mixers), ``index_html``, ``lr_sensitivity_csv`` (only with an lr axis) and one key per PNG
-  (``loss_curves``, ``grad_norms``, ``amax_vs_depth``, ``lr_sensitivity``,
+  (``loss_curves``, ``grad_norms``, ``amax_vs_depth``, ``stream_spread``, ``lr_sensitivity``,
   ``heatmap:<run>``); a plot with nothing to show is not written and the page says why.
   Prints nothing.
   """
@@ -1168,6 +1279,7 @@ def write_report(
     "amax_bwd_composite",
     "amax_fwd_composite_tok_mean",
     "amax_bwd_composite_tok_mean",
+    "stream_spread",
   ]
   frames, evs = [], []
   for name, rdir in table.attrs["run_dirs"].items():
@@ -1219,6 +1331,21 @@ def write_report(
     missing.append(
       "No composite Amax gain plot: no run has logged amax_fwd_composite / amax_bwd_composite "
       "(or no depth is known)."
+    )
+  p = plots.stream_spread_vs_layer(metrics, runs, out / "stream_spread.png", dpi=dpi)
+  if p:
+    paths["stream_spread"] = str(p)
+    figures.append(
+      (
+        ["stream_spread"],
+        "Stream spread against layer",
+        plots.CAPTIONS["stream_spread"].format(**info),
+      )
+    )
+  else:
+    missing.append(
+      "No stream spread plot: no run has logged stream_spread (logs written before it existed, "
+      "or mixers whose state is not streams)."
     )
   if has_lr_axis(table):
     p = plots.lr_sensitivity_curves(runs, lr_tab, out / "lr_sensitivity.png", dpi=dpi)
@@ -1285,8 +1412,8 @@ def write_report(
     names = sorted({LATER_COLUMNS[c][0] for n in lacking for c in table.attrs["not_logged"][n]})
     missing.append(
       f"{len(lacking)} of {int((table['steps'] > 0).sum())} runs with metrics have logs without "
-      f"{', '.join(names)} (written before these metrics existed): those cells read n/a, and "
-      "their group means are NaN."
+      f"{', '.join(names)} (written before these metrics existed, or for stream_spread a mixer "
+      "whose state is not streams): those cells read n/a, and their group means are NaN."
     )
 
   # ----------------------------------------------------------- tables
@@ -1303,17 +1430,25 @@ def write_report(
   n_seeds_max = int(groups["n_seeds"].max()) if len(groups) else 0
   group_text = (
     f"Runs that differ only in the seed, grouped ({len(groups)} groups, up to {n_seeds_max} seeds "
-    f"each). Cells are mean [95% CI] over the group's seeds: {stats.METHOD}. The t interval is used "
-    "rather than a bootstrap because with 3-5 seeds a percentile bootstrap is far too narrow (its "
-    "95% interval covers the mean about 73% of the time for 3 seeds); a NaN or inf in any seed makes "
-    "the mean NaN/inf and the interval NaN, and one seed has no interval. groups.csv has every metric "
-    "as <metric>_mean, <metric>_ci_lo, <metric>_ci_hi and n_seeds."
+    f"each). Cells are mean [95% CI] over the group's seeds: {stats.METHOD}. Columns marked (gmean) "
+    f"are on the {stats.LOG_METHOD} (gains, "
+    "gradient norms and stream spreads are positive and heavy-tailed; their raw-scale interval "
+    "covers the mean less than half the time for spreads like HC's, docs/statistics.md). The t "
+    "interval is used rather than a bootstrap because with 3-5 seeds a percentile bootstrap is far "
+    "too narrow (its 95% interval covers the mean about 73% of the time for 3 seeds); a NaN or inf "
+    "in any seed makes the mean NaN/inf and the interval NaN, and one seed has no interval. The "
+    "held-out loss (eval_loss) is the primary endpoint, the final training loss secondary. "
+    "groups.csv has every metric as <metric>_mean (or <metric>_gmean), <metric>_ci_lo, "
+    "<metric>_ci_hi and n_seeds."
   )
   paired_text = (
-    "Paired differences between mixers: runs of two mixers that share a seed (and every other "
-    "axis) are paired; each Δ cell is mixer_b's value minus mixer_a's, mean [95% Student t interval] "
-    "over the n_pairs pairs; * marks an interval that excludes 0, a difference the seeds cannot "
-    "explain. paired.csv has every metric, with mean_a and mean_b."
+    "Paired comparisons between mixers: runs of two mixers that share a seed (and every other axis) "
+    "are paired. A Δ cell is mixer_b's value minus mixer_a's, mean [95% Student t interval] over the "
+    "n_pairs pairs; a ratio cell (gains, gradient norms, stream spreads) is mixer_b's value over "
+    "mixer_a's, the geometric mean of the per-seed ratios [its 95% interval, from the t interval of "
+    "the log ratios]. * marks an interval that clears 0 (a ratio: 1) by more than rounding "
+    f"({stats.SIGNIFICANCE_RTOL:g} of the values' scale), a difference the seeds cannot explain. "
+    "paired.csv has every metric, with mean_a and mean_b."
   )
   if len(paired) == 0:
     missing.append("No paired differences: fewer than two mixers have results.")
