@@ -67,6 +67,7 @@ LOG_FLOOR = 1e-30
 # Scalar stats from the model that layer_metrics passes through unchanged when present.
 _PASS_THROUGH = (
   "sinkhorn_err",
+  "stream_spread",
   "attn_logit_max",
   "out_logit_max",
   "logsumexp_mean",
@@ -269,7 +270,7 @@ def layer_metrics(
   ``amax_{fwd,bwd}_composite``, ``amin_{fwd,bwd}_composite``, ``amax_{fwd,bwd}_suffix``,
   ``log_colsum_max`` (token-averaged ``h_res``), ``amax_{fwd,bwd}_composite_tok_{mean,max}``
   (per-token products of ``h_res_tok``), all [2L], and with ``grad_rms`` given also ``grad_rms`` and
-  ``gain_bwd`` (see :func:`gain_bwd` for ``grad_rms_out``). ``sinkhorn_err``,
+  ``gain_bwd`` (see :func:`gain_bwd` for ``grad_rms_out``). ``sinkhorn_err``, ``stream_spread``,
   ``attn_logit_max`` and the scalar ``out_logit_max``, ``logsumexp_mean``,
   ``logsumexp_max`` are passed through (as float32) when present.
   """

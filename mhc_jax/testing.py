@@ -23,10 +23,11 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mhc_jax import mixers
-from mhc_jax.mixers.base import STAT_KEYS, TOKEN_SAMPLE, rms_norm
+from mhc_jax.mixers.base import STAT_KEYS, TOKEN_SAMPLE, rms_norm, stream_spread
 
 B, T, C = 2, 5, 8
 
@@ -203,85 +204,119 @@ def check_invariants(name: str, seeds=(1, 2, 3), scale: float = 0.5, **opts) -> 
 
 
 # --------------------------------------------------------------------------- stream separation
-SEP_THRESHOLD = 1e-3  # relative spread well above float32 rounding (~1e-7 per op)
+SEP_DEPTH = 32  # mixer layers of the separation check's stack
+SEP_STEPS = 300  # Adam steps (lr 1e-2) before its spread is read
+SEP_THRESHOLD = (
+  0.15  # the lower quartile of the spread over layers must exceed this (docs/mixers.md)
+)
 
 
-def stream_spread(x_BTnC) -> jax.Array:
-  """Relative spread of the streams: ``RMS(x - mean over streams) / RMS(x)`` (0 if identical)."""
-  x = x_BTnC.astype(jnp.float32)
-  return jnp.sqrt(jnp.mean(jnp.square(x - x.mean(-2, keepdims=True))) / jnp.mean(jnp.square(x)))
+class _Layer(nn.Module):
+  """One mixer layer around a fixed-width sublayer ``tanh(Dense(norm(h)))``; returns the state and
+  its stream spread."""
+
+  name_: str
+  opts: dict
+  depth: int
+
+  @nn.compact
+  def __call__(self, x, i):
+    dense = nn.Dense(C, use_bias=False, name="f")
+    mixer = mixers.get(self.name_, module_name="mix", layers=self.depth, **self.opts)
+    x, _ = mixer(x, lambda h, value_fn=None: jnp.tanh(dense(rms_norm(h))).astype(h.dtype), i)
+    spec = mixers.get(self.name_, layers=self.depth, **self.opts).clone(parent=None)
+    return x, stream_spread(spec.stream(x))
 
 
 class _Stack(nn.Module):
-  """A tiny language model around a mixer: embed, expand, ``depth`` mixer layers, sum, head."""
+  """A tiny language model around a mixer: embed, expand, ``depth`` mixer layers (scanned, so the
+  compile does not grow with depth), collapse, head. Returns the logits and the spread per layer."""
 
   name_: str
   opts: dict
   vocab: int = 16
-  depth: int = 4
+  depth: int = SEP_DEPTH
 
   @nn.compact
   def __call__(self, tokens_BT):
     emb = self.param("embedding", nn.initializers.normal(1.0), (self.vocab, C))
-    mk = lambda i: mixers.get(self.name_, module_name=f"mix_{i}", layers=self.depth, **self.opts)
     spec = mixers.get(self.name_, layers=self.depth, **self.opts).clone(parent=None)
-    x = spec.expand(emb[tokens_BT])
-    states = []
-    for i in range(self.depth):
-      dense = nn.Dense(C, use_bias=False, name=f"f_{i}")
-      x, _ = mk(i)(x, lambda h, value_fn=None, d=dense: jnp.tanh(d(rms_norm(h))).astype(h.dtype), i)
-      states.append(spec.stream(x))
+    layers = nn.scan(
+      _Layer,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=0,
+      length=self.depth,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )(self.name_, self.opts, self.depth, name="layers")
+    x, spreads = layers(spec.expand(emb[tokens_BT]), jnp.arange(self.depth))
     collapse_cls, kw = spec.collapse_module()
     logits = nn.Dense(self.vocab, use_bias=False, name="head")(
       rms_norm(collapse_cls(**kw, name="collapse")(x))
     )
-    return logits, jnp.stack(states)
+    return logits, spreads
 
 
 def stream_separation(
-  name: str, steps: int = 10, lr: float = 1e-2, seed: int = 0, **opts
-) -> list[float]:
-  """Stream spread (max over layers) after 0, 1, ..., ``steps`` Adam steps on random tokens."""
-  model = _Stack(name, opts)
-  k_tok, k_tgt, k_p = jax.random.split(jax.random.PRNGKey(seed), 3)
-  tokens = jax.random.randint(k_tok, (B, 8), 0, model.vocab)
-  targets = jax.random.randint(k_tgt, (B, 8), 0, model.vocab)
-  params = nn.meta.unbox(model.init(k_p, tokens))
+  name: str,
+  steps: int = SEP_STEPS,
+  depth: int = SEP_DEPTH,
+  lr: float = 1e-2,
+  seed: int = 0,
+  **opts,
+) -> np.ndarray:
+  """Stream spread after each of ``depth`` mixer layers, ``[steps + 1, depth]``: row ``k`` after
+  ``k`` Adam steps of a tiny stack (:class:`_Stack`) learning a fixed random token map
+  (``target = perm[token]``, a fresh batch of 8 x 8 tokens every step)."""
+  model = _Stack(name, opts, depth=depth)
+  k_perm, k_data, k_p = jax.random.split(jax.random.PRNGKey(seed), 3)
+  perm = jax.random.permutation(k_perm, model.vocab)
+  params = nn.meta.unbox(model.init(k_p, jnp.zeros((8, 8), jnp.int32)))
   tx = optax.adam(lr)
 
-  def loss(p):
-    logits, states = model.apply(p, tokens)
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
-    return ce, jnp.max(jax.vmap(stream_spread)(states))
+  def spreads(p, tokens):
+    return model.apply(p, tokens)[1]
+
+  def loss(p, tokens):
+    logits = model.apply(p, tokens)[0]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, perm[tokens]).mean()
+
+  def step(carry, key):
+    p, o = carry
+    tokens = jax.random.randint(key, (8, 8), 0, model.vocab)
+    u, o = tx.update(jax.grad(loss)(p, tokens), o, p)
+    return (optax.apply_updates(p, u), o), spreads(p, tokens)
 
   @jax.jit
-  def step(p, o):
-    (_, spread), g = jax.value_and_grad(loss, has_aux=True)(p)
-    u, o = tx.update(g, o, p)
-    return optax.apply_updates(p, u), o, spread
+  def run(p):
+    keys = jax.random.split(k_data, steps + 1)
+    (p, _), hist = jax.lax.scan(step, (p, tx.init(p)), keys[:-1])
+    last = spreads(p, jax.random.randint(keys[-1], (8, 8), 0, model.vocab))
+    return jnp.concatenate([hist, last[None]])
 
-  opt, out = tx.init(params), []
-  for _ in range(steps):
-    params, opt, spread = step(params, opt)
-    out.append(float(spread))
-  out.append(float(loss(params)[1]))
-  return out
+  with xla_optimizations(True):  # 300 steps: the optimised program runs them ~3x faster
+    return np.asarray(run(params))
 
 
-def check_stream_separation(
-  name: str, steps: int = 10, threshold: float = SEP_THRESHOLD, **opts
-) -> float:
-  """After ``steps`` Adam steps (lr 1e-2) the streams differ by more than ``threshold``.
+def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts) -> float:
+  """The streams stay apart under training: after :data:`SEP_STEPS` Adam steps of a
+  :data:`SEP_DEPTH`-layer stack, the lower quartile of the stream spread over its layers exceeds
+  ``threshold``.
 
-  Single-stream mixers (``n = 1``) pass trivially. Returns the final spread.
+  A quartile, not the max: a symmetric start keeps some spread in a few layers (Adam turns the
+  tiny asymmetry of ``α (v φ)`` into full-size updates) and collapses most of the rest, while a
+  start that keeps the streams apart does so in nearly every layer. Measured over seeds 0-2
+  (docs/mixers.md): every default 0.23 or more, symmetric mhc 0.04-0.08, static symmetric mhc
+  0.003. Single-stream mixers (``n = 1``) pass trivially. Returns the quartile.
   """
   n = opts.get("n", default_n(name))
   if n == 1 or not type(mixers.get(name, **opts)).multi_stream:
     return 0.0
-  spread = stream_separation(name, steps=steps, **opts)[-1]
+  per_layer = stream_separation(name, **opts)[-1]
+  spread = float(np.quantile(per_layer, 0.25))
   assert spread > threshold, (
-    f"{name} {opts}: streams stay (nearly) identical after {steps} optimiser steps "
-    f"(relative spread {spread:.2e} <= {threshold:.0e}); nothing tells the streams apart, so "
-    f"stream mixing is a no-op"
+    f"{name} {opts}: streams collapse under training (lower quartile of the relative spread over "
+    f"{SEP_DEPTH} layers {spread:.2e} <= {threshold:.2g} after {SEP_STEPS} steps; per layer "
+    f"{np.round(per_layer, 3).tolist()}): the n-stream model is a single-stream residual"
   )
   return spread

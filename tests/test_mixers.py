@@ -1,7 +1,6 @@
 """Mixer contract (mhc_jax.testing) over every registered mixer, plus each family's own claims."""
 
 import functools
-import typing
 
 import chex
 import jax
@@ -37,56 +36,85 @@ def test_invariants_under_perturbation(name):
   testing.check_invariants(name)
 
 
-def _separation_cases():
-  cases = []
-  for name in NAMES:
-    inits = [None]
-    if "h_res_init" in mixers.options(name):
-      inits = list(
-        typing.get_args(mixers._cls(name).__annotations__.get("h_res_init"))
-        or ("identity", "uniform")
-      )
-    for init in inits:
-      cases.append((name, {} if init is None else {"h_res_init": init}))
-  cases += [
+@pytest.mark.parametrize("name", NAMES)
+def test_default_init_keeps_streams_apart(name):
+  """The contract's stream-separation check passes for every mixer's default initialisation."""
+  testing.check_stream_separation(name)
+
+
+@pytest.mark.parametrize(
+  "name,opts",
+  [
     ("hc", {"dynamic": False}),
-    ("mhc", {"dynamic": False, "h_res_init": "identity"}),
-    ("mhc_lite", {"dynamic": False, "h_res_init": "identity"}),
-  ]
-  return cases
-
-
-@pytest.mark.parametrize("name,opts", _separation_cases())
-def test_streams_separate_under_training(name, opts):
-  """The contract's stream-separation check, for every mixer and every h_res_init."""
+    ("mhc", {"dynamic": False}),
+    ("mhc_identity", {"dynamic": False}),
+  ],
+)
+def test_static_default_init_keeps_streams_apart(name, opts):
+  """Static variants have no φ: the one-hot read and write alone keep the streams apart."""
   testing.check_stream_separation(name, **opts)
 
 
 @pytest.mark.parametrize(
   "opts",
   [
-    {"phi_init": 0.0, "h_res_init": "uniform"},  # the old init: bit-for-bit symmetric
-    {"phi_init": 0.0, "h_res_init": "identity"},  # the old init: separates by rounding only
-    {"dynamic": False, "h_res_init": "uniform"},  # static J/n mixing, equal writes: symmetric
+    {"stream_init": "symmetric"},  # MaxText's / Megatron-LM's b_pre = b_post = 0
+    {"stream_init": "symmetric", "dynamic": False},  # nothing at all tells the streams apart
   ],
 )
-def test_stream_separation_check_fails_on_symmetric_mixer(opts):
-  """Deliberately symmetric mHC configurations: nothing tells the streams apart."""
-  with pytest.raises(AssertionError, match="streams stay"):
+def test_stream_separation_check_fails_on_symmetric_init(opts):
+  """The symmetric mHC initialisation collapses the streams, and the check says so."""
+  with pytest.raises(AssertionError, match="streams collapse"):
     testing.check_stream_separation("mhc", **opts)
 
 
-def test_mhc_onehot_read_matches_hc_read():
-  """pre_init="onehot": σ(b_pre) is READ_INIT on stream layer mod n (HC's one-hot read)."""
-  from mhc_jax.mixers.mhc import READ_INIT
+def test_stream_spread_matches_numpy():
+  """``stream_spread`` = RMS(x - mean over streams) / RMS(x), against a float64 reference, and
+  the stats report it for the state leaving the layer, on the fixed token sample."""
+  from mhc_jax.mixers.base import sample_index, stream_spread
 
+  x = np.random.default_rng(0).normal(size=(3, 7, 4, 8)).astype(np.float32)
+  x[..., 1, :] += 2.0  # streams with different means
+  ref = lambda a: np.sqrt(
+    np.mean((a - a.mean(-2, keepdims=True)) ** 2, dtype=np.float64)
+    / np.mean(a**2, dtype=np.float64)
+  )
+  np.testing.assert_allclose(stream_spread(x), ref(x.astype(np.float64)), rtol=1e-6)
+  same = np.broadcast_to(x[..., :1, :], x.shape)
+  assert float(stream_spread(same)) == 0.0
+  _, params, state, _, apply = testing.setup("mhc")
+  out, stats = apply(params, state)
+  flat = np.asarray(out, np.float64).reshape((-1,) + out.shape[-2:])
+  np.testing.assert_allclose(
+    stats["stream_spread"], ref(flat[sample_index(out.shape[:-2])]), rtol=1e-5
+  )
+
+
+@pytest.mark.parametrize("name", ["mhc", "mhc_identity"])
+@pytest.mark.parametrize("stream_init", ["onehot", "hc", "symmetric"])
+def test_stream_init_biases(name, stream_init):
+  """The read and write each ``stream_init`` starts from, on stream ``layer mod n``."""
+  from mhc_jax.mixers.mhc import ONEHOT_LOGIT, READ_INIT
+
+  sig = lambda z: 1 / (1 + np.exp(-z))
   for layer in (0, 1, 6):
-    mixer = mixers.get("mhc", n=4, pre_init="onehot", dynamic=False)
+    mixer = mixers.get(name, n=4, stream_init=stream_init, dynamic=False)
     x = jnp.ones((1, 2, 4, testing.C))
     params = mixer.init(jax.random.PRNGKey(0), x, lambda h: h, layer)
     stats = mixer.apply(params, x, lambda h: h, layer)[1]
-    want = np.where(np.eye(4)[layer % 4] > 0, READ_INIT, 1 - READ_INIT)
-    np.testing.assert_allclose(stats["h_pre"], want, rtol=1e-5)
+    own = np.eye(4)[layer % 4] > 0
+    pre, post = {
+      "onehot": (sig(np.where(own, ONEHOT_LOGIT, -ONEHOT_LOGIT)),) * 2,
+      "hc": (np.where(own, READ_INIT, 1 - READ_INIT), np.full(4, 0.5)),
+      "symmetric": (np.full(4, 0.5), np.full(4, 0.5)),
+    }[stream_init]
+    np.testing.assert_allclose(stats["h_pre"], pre, rtol=1e-5)
+    np.testing.assert_allclose(stats["h_post"], 2 * post, rtol=1e-5)
+
+
+def test_stream_init_is_checked():
+  with pytest.raises(ValueError, match="stream_init"):
+    testing.setup("mhc", stream_init="bogus")
 
 
 def test_static_variants_pass_contract():
@@ -132,8 +160,14 @@ def _h_res_at_init(name, init, n=4, **opts):
 @pytest.mark.parametrize("n", [2, 4])
 def test_h_res_init(name, n):
   """The static part is exactly the claimed start; the random φ (α = 0.01) moves it slightly."""
+  # mhc: the diagonal is res_diag; mhc_lite: the identity permutation's weight is (permutations
+  # that fix a stream add to its diagonal entry)
+  for diag in (0.999, 0.95):  # res_diag's default, and the earlier default
+    h = _h_res_at_init(name, "identity", n, phi_init=0.0, res_diag=diag)
+    assert np.all(np.diag(h) >= diag - 1e-5), np.diag(h)
+    if name == "mhc" or n == 2:
+      np.testing.assert_allclose(np.diag(h), diag, atol=1e-5)
   ident = _h_res_at_init(name, "identity", n, phi_init=0.0)
-  assert np.all(np.diag(ident) >= 0.95 - 1e-6), np.diag(ident)
   unif = _h_res_at_init(name, "uniform", n, phi_init=0.0)
   np.testing.assert_allclose(unif, np.full((n, n), 1.0 / n), atol=1e-6)
   for init, static in (("identity", ident), ("uniform", unif)):
@@ -141,8 +175,9 @@ def test_h_res_init(name, n):
 
 
 def test_mhc_coefficient_ranges():
-  """H_pre = σ(·) in (0, 1), H_post = 2σ(·) in (0, 2), at init σ(0): 0.5 and 1."""
-  _, params, x, _, apply = testing.setup("mhc", seed=1)
+  """H_pre = σ(·) in (0, 1), H_post = 2σ(·) in (0, 2), with the symmetric init σ(0): 0.5 and 1
+  (the random φ, α = 0.01, moves them slightly)."""
+  _, params, x, _, apply = testing.setup("mhc", seed=1, stream_init="symmetric")
   stats = apply(testing.perturb(params, jax.random.PRNGKey(9), 3.0), x)[1]
   assert np.all((stats["h_pre"] > 0) & (stats["h_pre"] < 1))
   assert np.all((stats["h_post"] > 0) & (stats["h_post"] < 2))

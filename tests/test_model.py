@@ -200,14 +200,15 @@ def test_original_mixers_unchanged_by_the_contract_move():
   import pathlib
 
   gold = np.load(pathlib.Path(__file__).parent / "data" / "mixers_before_contract.npz")
+  old = {"stream_init": "symmetric", "res_diag": 0.95}  # mHC's initialisation then
   cases = {
     "residual": {},
     "hc": {"n": 4},
     "hc_static": {"n": 4, "dynamic": False},
-    "mhc": {"n": 4},
-    "mhc_uniform": {"n": 4, "h_res_init": "uniform"},
-    "mhc_lite": {"n": 3},
-    "mhc_learned": {"n": 2, "collapse": "learned"},
+    "mhc": {"n": 4, **old},
+    "mhc_uniform": {"n": 4, "h_res_init": "uniform", **old},
+    "mhc_lite": {"n": 3, **old},
+    "mhc_learned": {"n": 2, "collapse": "learned", **old},
   }
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 8), 0, 11)
   for key, opts in cases.items():

@@ -222,14 +222,15 @@ def test_kromhc_h_res_exactly_doubly_stochastic(n, factors):
 
 
 def test_kromhc_init():
-  """identity: the product's identity permutation has weight 0.95 (diag = q² = 0.95 for 2⊗2, as
-  mhc_lite); uniform: exactly J/n."""
-  _, params, _, x, _, _, apply = case("kromhc", n=4, dynamic=False, scale=0.0)
-  h = np.asarray(apply(params, x)[1]["h_res"], np.float64)
-  q = math.sqrt(0.95)
-  u = np.array([[q, 1 - q], [1 - q, q]])
-  np.testing.assert_allclose(h, np.kron(u, u), atol=1e-6)
-  np.testing.assert_allclose(np.diag(h), 0.95, atol=1e-6)
+  """identity: the product's identity permutation has weight res_diag (diag = q² = res_diag for
+  2⊗2, as mhc_lite); uniform: exactly J/n."""
+  for diag in (0.95, 0.999):
+    _, params, _, x, _, _, apply = case("kromhc", n=4, dynamic=False, scale=0.0, res_diag=diag)
+    h = np.asarray(apply(params, x)[1]["h_res"], np.float64)
+    q = math.sqrt(diag)
+    u = np.array([[q, 1 - q], [1 - q, q]])
+    np.testing.assert_allclose(h, np.kron(u, u), atol=1e-6)
+    np.testing.assert_allclose(np.diag(h), diag, atol=1e-6)
   _, params, _, x, _, _, apply = case("kromhc", n=8, dynamic=False, scale=0.0, h_res_init="uniform")
   np.testing.assert_allclose(apply(params, x)[1]["h_res"], np.full((8, 8), 1 / 8), atol=1e-7)
 

@@ -13,7 +13,8 @@ The full contract (any pytree state, collapse, probes) is the ``Mixer`` docstrin
 ``stats`` is a dict of fixed-shape float32 arrays (docs/interfaces.md): ``h_res [n,n]``,
 ``h_pre [n]``, ``h_post [n]`` token-averaged, ``h_res_tok [S,n,n]`` the per-token ``H_res`` of a
 fixed sample of ``S = min(TOKEN_SAMPLE, tokens)`` tokens, ``rms_in``, ``rms_out``,
-``branch_rms`` and ``sinkhorn_err`` scalars. ``layer`` is the mixer-layer index (2·block for attention, 2·block+1
+``branch_rms`` and ``sinkhorn_err`` scalars, and ``stream_spread`` (:func:`stream_spread` of the
+state leaving the layer, on the same token sample). ``layer`` is the mixer-layer index (2·block for attention, 2·block+1
 for the MLP); it may be traced (under ``nn.scan``) and is only used by initialisers.
 """
 
@@ -37,6 +38,7 @@ STAT_KEYS = (
   "rms_out",
   "branch_rms",
   "sinkhorn_err",
+  "stream_spread",
 )
 TOKEN_SAMPLE = 16  # tokens whose own H_res products are tracked (h_res_tok)
 
@@ -63,16 +65,35 @@ def token_mean(a: jax.Array, lead: int) -> jax.Array:
   return jnp.mean(a.astype(jnp.float32), axis=tuple(range(lead))) if lead else a.astype(jnp.float32)
 
 
+def sample_index(tok_shape) -> np.ndarray:
+  """Flat indices of the fixed token sample: ``min(TOKEN_SAMPLE, tokens)`` evenly spaced."""
+  n_tok = math.prod(tok_shape)
+  return np.linspace(0, n_tok - 1, min(TOKEN_SAMPLE, n_tok)).round().astype(np.int32)
+
+
 def sample_tokens(h_res, tok_shape) -> jax.Array:
-  """Per-token ``H_res`` of a fixed token sample: ``[S, n, n]``, S evenly spaced flat indices.
+  """Per-token ``H_res`` of the fixed token sample: ``[S, n, n]``.
 
   ``h_res`` is ``[n, n]`` (static: the same for every token) or ``[*tok_shape, n, n]``.
   """
-  n_tok = math.prod(tok_shape)
-  s = min(TOKEN_SAMPLE, n_tok)
   h = jnp.broadcast_to(h_res.astype(jnp.float32), tuple(tok_shape) + h_res.shape[-2:])
-  idx = np.linspace(0, n_tok - 1, s).round().astype(np.int32)
-  return h.reshape((n_tok,) + h.shape[-2:])[idx]
+  return h.reshape((-1,) + h.shape[-2:])[sample_index(tok_shape)]
+
+
+def stream_spread(x_NnC: jax.Array) -> jax.Array:
+  """Relative spread of the streams, ``RMS(x - mean over streams) / RMS(x)``, in float32.
+
+  ``x_NnC [..., n, C]``: 0 when every stream is the same vector (the streams have collapsed
+  into one), about 1 when they are unrelated. One scalar over all leading (token) axes.
+  """
+  x = x_NnC.astype(jnp.float32)
+  dev = x - jnp.mean(x, axis=-2, keepdims=True)
+  return jnp.sqrt(jnp.mean(jnp.square(dev)) / jnp.mean(jnp.square(x)))
+
+
+def sample_state(x_BTnC: jax.Array) -> jax.Array:
+  """The state ``[..., n, C]`` of the fixed token sample (:func:`sample_tokens`'s): ``[S, n, C]``."""
+  return x_BTnC.reshape((-1,) + x_BTnC.shape[-2:])[sample_index(x_BTnC.shape[:-2])]
 
 
 def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> dict:
@@ -90,6 +111,7 @@ def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> d
     "sinkhorn_err": jnp.zeros((), jnp.float32)
     if sinkhorn_err is None
     else jnp.asarray(sinkhorn_err, jnp.float32),
+    "stream_spread": stream_spread(sample_state(x_out)),
   }
 
 

@@ -6,9 +6,14 @@ per-stream, input-dependent terms from ``x̄ = norm(x)``:
 ``A_m(x) = s_α tanh(x̄ w_m) + A_m``, ``A_r(x) = s_α tanh(x̄ W_r) + A_r``,
 ``B(x) = s_β tanh(x̄ w_b) + B``.
 Initialisation (``W = 0``, ``B = 1``, ``A_m = e_{layer mod n}``, ``A_r = I``, ``s = 0.01``)
-makes every stream equal a pre-norm residual at step 0. In the contract's terms
+makes every stream equal a pre-norm residual at step 0, and the one-hot read is what tells the
+streams (copies of the embedding) apart: ``stream_init="hc"`` (default). ``stream_init="symmetric"``
+reads every stream equally (``A_m = 1/n``), the symmetric start MaxText and Megatron-LM give mHC,
+so the two mixers can be compared under either. In the contract's terms
 ``h_pre = A_m``, ``h_post = B``, ``h_res = A_rᵀ``. Static parts are named ``b_*`` (no decay).
 """
+
+from typing import Literal
 
 import flax.linen as nn
 import jax
@@ -21,6 +26,7 @@ class HyperConnection(Mixer):
   n: int = 4
   dynamic: bool = True
   alpha_init: float = 0.01
+  stream_init: Literal["hc", "symmetric"] = "hc"
 
   def layer_params(self, width: int) -> int:
     n, c = self.n, width
@@ -31,9 +37,13 @@ class HyperConnection(Mixer):
     n, c = x_BTnC.shape[-2:]
     if n != self.n:
       raise ValueError(f"hc: configured for n={self.n} streams, got state with n={n}")
-    a_m = param(
-      self, "b_read", lambda k, s, d: jax.nn.one_hot(layer % n, n, dtype=d), (n,), ("streams",)
-    )
+    if self.stream_init not in ("hc", "symmetric"):
+      raise ValueError(f"stream_init must be 'hc' or 'symmetric', got {self.stream_init!r}")
+    if self.stream_init == "hc":
+      read_init = lambda k, s, d: jax.nn.one_hot(layer % n, n, dtype=d)
+    else:
+      read_init = nn.initializers.constant(1.0 / n)
+    a_m = param(self, "b_read", read_init, (n,), ("streams",))
     a_r = param(self, "b_mix", lambda k, s, d: jnp.eye(n, dtype=d), (n, n), ("streams", None))
     b = param(self, "b_write", nn.initializers.ones, (n,), ("streams",))
     if self.dynamic:

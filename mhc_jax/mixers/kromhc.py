@@ -28,8 +28,8 @@ Options (everything not listed is ``mhc``'s, with its defaults):
   ``"uniform"`` (``b = 0``) gives exactly ``J/n``. The paper's text available to us does not state
   the initialisation; the authors' code sets logits 0 / -8 (identity weight σ(8) ≈ 0.9997 per
   factor) and one-hot ±1 pre/post logits with zero dynamic weights. We keep ``mhc``'s
-  initialisation instead (fan-in normal ``φ``, ``b_pre = b_post = 0``; ``pre_init="onehot"`` gives
-  a one-hot read) so that ``mhc``, ``mhc_lite`` and ``kromhc`` differ only in ``H_res``; a logit gap
+  initialisation instead (``stream_init``: ``"hc"`` one-hot read by default, ``"symmetric"``; fan-in
+  normal ``φ``) so that ``mhc``, ``mhc_lite`` and ``kromhc`` differ only in ``H_res``; a logit gap
   of 8 saturates the softmax, which a third-party replication reports freezes ``H_res`` near ``I``.
 - ``sinkhorn_iters`` / ``sinkhorn_grad`` are inherited from ``mhc`` and unused (no Sinkhorn).
 """
@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax.mixers.mhc import DIAG_INIT, ManifoldHyperConnection
+from mhc_jax.mixers.mhc import ManifoldHyperConnection
 
 MAX_FACTOR = 6  # 720 permutations per factor; beyond that a factor is not "small"
 
@@ -112,7 +112,7 @@ class KromHC(ManifoldHyperConnection):
       raise ValueError(
         f"kromhc: h_res_init must be 'identity' or 'uniform', got {self.h_res_init!r}"
       )
-    q = DIAG_INIT ** (1.0 / len(fs))  # identity weight per factor; product over factors = 0.95
+    q = self.res_diag ** (1.0 / len(fs))  # identity weight per factor; product over factors = 0.95
     parts = []
     for f in fs:
       k = math.factorial(f)

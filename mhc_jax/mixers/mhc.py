@@ -7,24 +7,31 @@ of a token, ``v = RMSNorm(vec(x)) ∈ R^{nC}``:
 ``H_pre = σ(H̃_pre)``, ``H_post = 2σ(H̃_post)``, ``H_res = Sinkhorn(H̃_res)``: doubly stochastic,
 so every row and column of the mixing sums to 1 and the composite gain stays bounded.
 
-``h_res_init``: ``"identity"`` biases ``b_res`` so ``H_res`` starts near ``I`` (diagonal 0.95),
-``"uniform"`` sets ``b_res = 0`` so it starts near ``J/n`` (the polytope's centre).
+Initialisation (docs/mixers.md): ``expand`` copies the embedding into every stream, and a doubly
+stochastic ``H_res`` cannot amplify a difference between streams (it commutes with ``J`` and has
+norm <= 1 on the mean-free subspace): only asymmetric reads and writes create one, and every
+``H_res`` short of ``I`` shrinks it, layer after layer. The mHC paper builds on HC but does not say
+how ``b`` is initialised. ``stream_init`` sets ``b_pre`` and ``b_post``:
 
-Symmetry breaking (docs/mixers.md). ``expand`` copies the embedding into every stream, so if
-nothing in the parameters tells the streams apart (``φ = 0``, equal ``b_pre``/``b_post``) they
-stay identical under training, ``H_res`` acts as the identity on them, and the layer is a
-single-stream residual with a learned gate. The mHC paper does not say how ``φ`` and ``b`` are
-initialised; its public reference implementations draw ``φ`` at random (fan-in normal or
-xavier), and HC breaks the symmetry with one-hot read weights ``A_m = e_{layer mod n}``. Here:
+- ``"onehot"`` (default): logits ``±1`` on stream ``layer mod n`` for both, so each layer reads
+  mostly (``σ(1) = 0.73``) and writes most (``2σ(1) = 1.46`` against ``0.54``) to its own stream:
+  HC's one-hot read ``A_m = e_{layer mod n}`` (Zhu et al., Eq. 14) carried into mHC's bounded
+  coefficients, with the write made asymmetric too, as the mHC-lite line's mHC baseline and the
+  KromHC authors' code do. With ``H_res`` near ``I`` it keeps the streams apart at depth 32.
+- ``"hc"``: HC's Eq. 14 literally: one-hot read ``σ(b_pre) = READ_INIT`` on stream ``layer mod n``,
+  ``1 - READ_INIT`` elsewhere, and an equal write ``H_post = 2σ(0) = 1`` (``B = 1``). The streams
+  separate at first and then drift together over depth.
+- ``"symmetric"``: MaxText's and Megatron-LM's, ``b_pre = b_post = 0`` (``H_pre = 1/2``,
+  ``H_post = 1`` on every stream): only ``α (v φ)`` with ``α = 0.01`` tells the streams apart, and
+  they collapse into one under training; kept to measure that.
 
-- ``phi_init`` (default 1.0, the reference implementations' choice): ``φ ~ N(0, phi_init² / nC)``
-  (fan-in normal), so each stream gets its own coefficients from the first layer; ``0`` gives
-  the symmetric zero init (kept only to show what it breaks).
-- ``pre_init``: ``"uniform"`` ``b_pre = 0``, ``H_pre = σ(0) = 1/2`` on every stream;
-  ``"onehot"`` HC's one-hot read, ``σ(b_pre) = 0.95`` on stream ``layer mod n`` and 0.05 on the
-  others; ``"auto"`` (default) is ``"uniform"`` for dynamic mHC (``φ`` already breaks the
-  symmetry) and ``"onehot"`` for static mHC (``dynamic=False`` drops the ``v φ`` terms, so
-  nothing else would).
+``h_res_init``: ``"identity"`` (default) biases ``b_res`` so ``H_res`` starts at diagonal
+``res_diag`` (0.999: logit gap ``log(res_diag / (1 - res_diag) · (n - 1))``, 8.0 at n = 4, HC's
+``A_r = I`` as near as a positive matrix gets; the mHC-lite line uses 0 / -8); ``"uniform"`` sets
+``b_res = 0`` so it starts near ``J/n`` (the polytope's centre, MaxText's start).
+
+``phi_init`` (1.0): ``φ ~ N(0, phi_init² / nC)`` (fan-in normal, the reference implementations'
+choice); ``0`` drops even that asymmetry. docs/mixers.md has the measured stream spread of each.
 
 Subclasses replace ``project_res``.
 """
@@ -39,14 +46,27 @@ import jax.numpy as jnp
 from mhc_jax import sinkhorn as sk
 from mhc_jax.mixers.base import Mixer, make_stats, mix, normed_tokdot, param, read
 
-DIAG_INIT = 0.95  # target diagonal of H_res at initialisation for h_res_init="identity"
-READ_INIT = 0.95  # sigma(b_pre) on the read stream for pre_init="onehot" (1 - READ_INIT elsewhere)
+READ_INIT = 0.95  # sigma(b_pre) on the read stream for stream_init="hc" (1 - READ_INIT elsewhere)
+ONEHOT_LOGIT = 1.0  # b_pre, b_post = +/- this on stream layer mod n for stream_init="onehot"
+STREAM_INITS = ("onehot", "hc", "symmetric")
 
 
-def onehot_logits(layer, n: int) -> jax.Array:
-  """``b_pre`` with ``σ(b_pre) = READ_INIT`` on stream ``layer mod n``, ``1 - READ_INIT`` elsewhere."""
-  z = math.log(READ_INIT / (1 - READ_INIT))
+def onehot_logits(layer, n: int, z: float) -> jax.Array:
+  """Logits ``+z`` on stream ``layer mod n`` and ``-z`` on the others."""
   return z * (2.0 * jax.nn.one_hot(layer % n, n, dtype=jnp.float32) - 1.0)
+
+
+def stream_bias_inits(stream_init: str, layer, n: int):
+  """Initialisers of ``(b_pre, b_post)`` for ``stream_init`` (module docstring)."""
+  if stream_init not in STREAM_INITS:
+    raise ValueError(f"stream_init must be one of {STREAM_INITS}, got {stream_init!r}")
+  zeros = nn.initializers.zeros
+  if n == 1 or stream_init == "symmetric":
+    return zeros, zeros
+  onehot = lambda z: lambda k, s, d: onehot_logits(layer, n, z).astype(d)
+  if stream_init == "hc":
+    return onehot(math.log(READ_INIT / (1 - READ_INIT))), zeros
+  return onehot(ONEHOT_LOGIT), onehot(ONEHOT_LOGIT)
 
 
 class ManifoldHyperConnection(Mixer):
@@ -56,8 +76,9 @@ class ManifoldHyperConnection(Mixer):
   sinkhorn_iters: int = 20
   sinkhorn_grad: Literal["unroll", "implicit"] = "unroll"
   h_res_init: Literal["identity", "uniform"] = "identity"
+  res_diag: float = 0.999
   phi_init: float = 1.0
-  pre_init: Literal["auto", "uniform", "onehot"] = "auto"
+  stream_init: Literal["onehot", "hc", "symmetric"] = "onehot"
   doubly_stochastic = True
 
   def layer_params(self, width: int) -> int:
@@ -75,7 +96,7 @@ class ManifoldHyperConnection(Mixer):
     if self.h_res_init == "identity":
       if n == 1:
         return jnp.zeros((1, 1), jnp.float32)
-      return math.log(DIAG_INIT / (1 - DIAG_INIT) * (n - 1)) * jnp.eye(n, dtype=jnp.float32)
+      return math.log(self.res_diag / (1 - self.res_diag) * (n - 1)) * jnp.eye(n, dtype=jnp.float32)
     raise ValueError(f"mhc: h_res_init must be 'identity' or 'uniform', got {self.h_res_init!r}")
 
   def project_res(self, z_res):
@@ -93,18 +114,9 @@ class ManifoldHyperConnection(Mixer):
     if n != self.n:
       raise ValueError(f"mhc: configured for n={self.n} streams, got state with n={n}")
     r = self.res_size()
-    if self.pre_init not in ("auto", "uniform", "onehot"):
-      raise ValueError(
-        f"mhc: pre_init must be 'auto', 'uniform' or 'onehot', got {self.pre_init!r}"
-      )
-    onehot = self.pre_init == "onehot" or (self.pre_init == "auto" and not self.dynamic)
-    pre_init = (
-      (lambda k, s, d: onehot_logits(layer, n).astype(d))
-      if onehot and n > 1
-      else nn.initializers.zeros
-    )
+    pre_init, post_init = stream_bias_inits(self.stream_init, layer, n)
     b_pre = param(self, "b_pre", pre_init, (n,), ("streams",))
-    b_post = param(self, "b_post", nn.initializers.zeros, (n,), ("streams",))
+    b_post = param(self, "b_post", post_init, (n,), ("streams",))
     b_res = param(
       self, "b_res", lambda k, s, d: self.res_bias().reshape(s).astype(d), (r,), (None,)
     )

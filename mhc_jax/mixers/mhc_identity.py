@@ -18,15 +18,13 @@ Options (defaults as in ``mhc``, so the two differ only in ``H_res``):
 - ``alpha_init`` (0.01): initial ``α_pre``, ``α_post``;
 - ``phi_init`` (1.0): ``φ ~ N(0, phi_init² / nC)`` (fan-in normal, the symmetry breaking ``mhc``
   uses: every stream gets its own read/write coefficients from the first step);
-- ``pre_init`` (``"auto"``): ``"uniform"`` ``b_pre = 0``; ``"onehot"`` HC's one-hot read
-  (``σ(b_pre) = 0.95`` on stream ``layer mod n``); ``"auto"`` is ``"uniform"`` when dynamic and
-  ``"onehot"`` when static, exactly as in ``mhc``.
+- ``stream_init`` (``"hc"``): as in ``mhc``, HC's one-hot read on stream ``layer mod n`` with an
+  equal write; ``"symmetric"`` ``b_pre = b_post = 0`` (MaxText's / Megatron-LM's).
 
 Symmetry (docs/mixers.md): ``expand`` copies the embedding into every stream, and with
-``H_res = I`` nothing but the per-stream write ``H_post`` can make the streams differ. Random
-``φ`` gives each stream its own ``H_post`` from step 0; static with the one-hot read, the
-streams are read differently downstream, so their ``b_post`` gradients differ and they separate
-under training (the contract kit checks both).
+``H_res = I`` nothing but the per-stream write ``H_post`` can make the streams differ. With the
+one-hot read the streams are read differently downstream, so their ``b_post`` gradients differ
+and they separate under training (the contract kit checks it).
 """
 
 import math
@@ -36,7 +34,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from mhc_jax.mixers.base import Mixer, make_stats, normed_tokdot, param, read
-from mhc_jax.mixers.mhc import onehot_logits
+from mhc_jax.mixers.mhc import stream_bias_inits
 
 
 class MHCIdentity(Mixer):
@@ -44,7 +42,7 @@ class MHCIdentity(Mixer):
   dynamic: bool = True
   alpha_init: float = 0.01
   phi_init: float = 1.0
-  pre_init: Literal["auto", "uniform", "onehot"] = "auto"
+  stream_init: Literal["onehot", "hc", "symmetric"] = "onehot"
   doubly_stochastic = True  # H_res = I
 
   def layer_params(self, width: int) -> int:
@@ -56,18 +54,9 @@ class MHCIdentity(Mixer):
     n, c = x_BTnC.shape[-2:]
     if n != self.n:
       raise ValueError(f"mhc_identity: configured for n={self.n} streams, got state with n={n}")
-    if self.pre_init not in ("auto", "uniform", "onehot"):
-      raise ValueError(
-        f"mhc_identity: pre_init must be 'auto', 'uniform' or 'onehot', got {self.pre_init!r}"
-      )
-    onehot = self.pre_init == "onehot" or (self.pre_init == "auto" and not self.dynamic)
-    pre_init = (
-      (lambda k, s, d: onehot_logits(layer, n).astype(d))
-      if onehot and n > 1
-      else nn.initializers.zeros
-    )
+    pre_init, post_init = stream_bias_inits(self.stream_init, layer, n)
     b_pre = param(self, "b_pre", pre_init, (n,), ("streams",))
-    b_post = param(self, "b_post", nn.initializers.zeros, (n,), ("streams",))
+    b_post = param(self, "b_post", post_init, (n,), ("streams",))
     z_pre, z_post = b_pre, b_post
     if self.dynamic:
       x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC], normed in the dot

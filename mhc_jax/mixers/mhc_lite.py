@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax.mixers.mhc import DIAG_INIT, ManifoldHyperConnection
+from mhc_jax.mixers.mhc import ManifoldHyperConnection
 
 MAX_N = 6  # 720 permutations; beyond that the mix is too large to be "lite"
 
@@ -37,7 +37,11 @@ class MHCLite(ManifoldHyperConnection):
     if self.h_res_init == "uniform" or k == 1:
       return jnp.zeros((k,), jnp.float32)
     if self.h_res_init == "identity":
-      return jnp.zeros((k,), jnp.float32).at[0].set(math.log(DIAG_INIT / (1 - DIAG_INIT) * (k - 1)))
+      return (
+        jnp.zeros((k,), jnp.float32)
+        .at[0]
+        .set(math.log(self.res_diag / (1 - self.res_diag) * (k - 1)))
+      )
     raise ValueError(
       f"mhc_lite: h_res_init must be 'identity' or 'uniform', got {self.h_res_init!r}"
     )
