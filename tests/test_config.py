@@ -178,7 +178,7 @@ def test_round_trip(tmp_path):
       "model.mixer_options.h_res_init=identity",
       "optim.eps=1e-8",
       "data.options.n_symbols=20",
-      "model.mixer_options.pre_init=onehot",
+      "model.mixer_options.stream_init=symmetric",
       "dist.coordinator=localhost:1234",
       "name=rt",
     ],

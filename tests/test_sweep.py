@@ -66,6 +66,60 @@ def test_expand_names_order_and_overrides(tmp_path):
   assert {(r.cfg.train.steps, r.cfg.optim.lr) for r in sw.runs} == {(3, 1e-2)}
 
 
+def test_arm_axis_crosses_named_variants(tmp_path):
+  """``arm``: named variants that set several keys at once, crossed with the other axes."""
+  arms = {
+    "residual": {"model.mixer": "residual"},
+    "mhc_sym": {"model.mixer": "mhc", "model.mixer_options": {"stream_init": "symmetric"}},
+  }
+  sw = grid.load_sweep(
+    _sweep(tmp_path, axes={"arm": arms, "model.depth": [1, 2], "train.seed": [0, 1]}),
+  )
+  assert [r.name for r in sw.runs][:3] == [
+    "arm=residual,depth=1,seed=0",
+    "arm=residual,depth=1,seed=1",
+    "arm=residual,depth=2,seed=0",
+  ]
+  r = sw.run("arm=mhc_sym,depth=2,seed=1")
+  assert r.overrides == {
+    "model.mixer": "mhc",
+    "model.mixer_options.stream_init": "symmetric",
+    "model.depth": 2,
+    "train.seed": 1,
+  }
+  assert r.cfg.model.mixer_options == {"stream_init": "symmetric"}
+  assert sw.run("arm=residual,depth=1,seed=0").cfg.model.mixer_options == {}
+  sw = grid.load_sweep(
+    _sweep(tmp_path, axes={"arm": arms, "train.seed": [0, 1]}, population=["train.seed"])
+  )
+  assert [len(g) for g in grid.population_groups(sw)] == [2, 2]
+  regime = {"fast": {"optim.lr": 1e-2}, "slow": {"optim.lr": 1e-3, "optim.clip": 1.0}}
+  sw = grid.load_sweep(_sweep(tmp_path, axes={"arm": arms, "regime": regime}))
+  assert sw.run("arm=residual,regime=slow").overrides == {
+    "model.mixer": "residual",
+    "optim.lr": 1e-3,
+    "optim.clip": 1.0,
+  }
+  with pytest.raises(ConfigError, match="axes.b.y: sets optim.lr, which another axis sets too"):
+    grid.load_sweep(_sweep(tmp_path, axes={"a": regime, "b": {"y": {"optim.lr": 1.0}}}))
+
+
+@pytest.mark.parametrize(
+  "arm, where",
+  [
+    ({}, "axes.arm: named variants need a plain label and at least one variant"),
+    ({"a/b": {"model.mixer": "hc"}}, "axes.arm: variant names must be file-name-safe"),
+    ({"x": "hc"}, "axes.arm.x: expected a mapping of dotted overrides"),
+    ({"x": {"model.depth": 2}}, "axes.arm.x: sets model.depth, which another axis sets too"),
+    ({"x": {"model.mixer": "nope"}}, "axes.model.mixer: value 'nope'"),
+  ],
+)
+def test_bad_arm_names_the_key(tmp_path, arm, where):
+  with pytest.raises(ConfigError) as e:
+    grid.load_sweep(_sweep(tmp_path, axes={"arm": arm, "model.depth": [1]}))
+  assert where in str(e.value)
+
+
 def test_names_are_filesystem_safe_and_disambiguated():
   names = grid.run_names(
     {

@@ -10,6 +10,8 @@ A sweep file (``configs/sweeps/*.yaml``) has these keys::
     axes:                          # dotted key -> list of values; the runs are their product
       model.mixer: [hc, mhc]
       model.depth: [32, 64]
+      arm:                         # a mapping, not a list: named variants (see below)
+        mhc_sym: {model.mixer: mhc, model.mixer_options.stream_init: symmetric}
     population: [optim.lr]         # optional; axes trained together as one vmapped program
     parallel: 4                    # optional; runs trained at once (mhc_jax.sweep.executor)
     executor: {kind: slurm, ...}   # optional; process | submitit-local | slurm, + submitit params
@@ -30,6 +32,11 @@ train as one vmapped program (one compile for all seeds; with a ``population`` o
 rates too, the lr x seed grid is one program). To train seeds as separate runs instead, give
 an explicit ``train.seed`` axis and leave it out of ``population``. The report groups runs
 that differ only in the seed (mean and a 95% interval per group, ``report/groups.csv``).
+
+An axis given as a mapping instead of a list holds named variants that change several keys at
+once (a mixer and its options; a training regime): its key is a label (``arm``, ``regime``), run
+names say ``arm=<name>``, and a run's overrides are the variant's dotted keys, so the report's
+columns and groups are the config values (``mixer``, ``stream_init``, ``clip`` ...).
 
 Every run's config is validated (types, ranges, cross-section checks, data paths) by
 :func:`load_sweep`; a bad axis value raises ConfigError naming ``axes.<key>``, a bad ``set``
@@ -237,10 +244,27 @@ def load_sweep(
   for k, vals in axes.items():
     if not isinstance(k, str) or not k or any(not p for p in k.split(".")):
       raise ConfigError(f"axes: malformed dotted key {k!r}")
+    if isinstance(vals, Mapping):  # named variants
+      if not vals or "." in k:
+        raise ConfigError(f"axes.{k}: named variants need a plain label and at least one variant")
+      for a, ov in vals.items():
+        if not isinstance(a, str) or not a or _UNSAFE.search(a):
+          raise ConfigError(f"axes.{k}: variant names must be file-name-safe strings, got {a!r}")
+        if not isinstance(ov, Mapping) or not ov:
+          raise ConfigError(f"axes.{k}.{a}: expected a mapping of dotted overrides, got {ov!r}")
+      axes[k] = {a: _flatten_set(ov, f"axes.{k}.{a}") for a, ov in vals.items()}
+      continue
     if not isinstance(vals, list) or not vals:
       raise ConfigError(f"axes.{k}: expected a non-empty list of values, got {vals!r}")
     if len({json.dumps(v, sort_keys=True) for v in vals}) != len(vals):
       raise ConfigError(f"axes.{k}: repeated values in {vals!r}")
+  variant_keys = {}  # dotted key -> the variant axis that sets it
+  for k, vals in axes.items():
+    for a, ov in vals.items() if isinstance(vals, Mapping) else ():
+      for key in ov:
+        if key in axes or variant_keys.get(key, k) != k:
+          raise ConfigError(f"axes.{k}.{a}: sets {key}, which another axis sets too")
+        variant_keys[key] = k
   pop = data.get("population") or []
   if isinstance(pop, str):
     pop = [pop]
@@ -364,9 +388,11 @@ def expand(axes: Mapping[str, list]) -> list[tuple[str, dict]]:
     return [("base", {})]
   short = _short_keys(keys)
   out, seen = [], {}
-  for combo in itertools.product(*(axes[k] for k in keys)):
-    ov = dict(zip(keys, combo))
-    name = ",".join(f"{short[k]}={_fmt_value(v)}" for k, v in ov.items())
+  for combo in itertools.product(*(list(axes[k]) for k in keys)):
+    name = ",".join(f"{short[k]}={_fmt_value(v)}" for k, v in zip(keys, combo))
+    ov = {}
+    for k, v in zip(keys, combo):
+      ov.update(axes[k][v] if isinstance(axes[k], Mapping) else {k: v})
     name = _UNSAFE.sub("_", name)
     if len(name) > 200:
       name = name[:180] + "_" + hashlib.sha256(name.encode()).hexdigest()[:10]
