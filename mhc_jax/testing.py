@@ -305,8 +305,8 @@ def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts)
 
   A quartile, not the max: a symmetric start keeps some spread in a few layers (Adam turns the
   tiny asymmetry of ``α (v φ)`` into full-size updates) and collapses most of the rest, while a
-  start that keeps the streams apart does so in nearly every layer. Measured over seeds 0-2
-  (docs/mixers.md): every default 0.23 or more, symmetric mhc 0.04-0.08, static symmetric mhc
+  start that keeps the streams apart does so in nearly every layer. Measured (docs/mixers.md):
+  every default 0.34 or more, symmetric mhc 0.04-0.08 over seeds 0-2, static symmetric mhc
   0.003. Single-stream mixers (``n = 1``) pass trivially. Returns the quartile.
   """
   n = opts.get("n", default_n(name))
