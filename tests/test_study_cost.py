@@ -19,7 +19,7 @@ def test_every_study_names_a_gpu_variant_that_validates():
 
   studies = [p for p in sorted((ROOT / "configs" / "studies").glob("*.yaml"))]
   found = {p.name: study_cost.gpu_sweep(p) for p in studies}
-  for name in ("bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale.yaml"):
+  for name in ("bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale_gpu.yaml"):
     assert found[name] is not None, name
     path, sets = found[name]
     sweep = grid.load_sweep(path, sets)
