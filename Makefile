@@ -1,5 +1,8 @@
-# `make demo` and `make test` bootstrap .venv themselves on a fresh machine (Python 3.11, pip, make).
-PYTHON ?= python3
+# `make demo` and `make test` bootstrap .venv themselves on a fresh machine (Python >= 3.12, pip,
+# make). jax 0.11 needs Python 3.12: PYTHON is the first of python3, python3.12, python3.13 and
+# pyenv's 3.12+ that is new enough; a .venv made with an older Python is made again.
+NEW_ENOUGH = import sys; sys.exit(sys.version_info < (3, 12))
+PYTHON ?= $(firstword $(foreach p,python3 python3.12 python3.13 $(wildcard $(HOME)/.pyenv/versions/3.1[2-9]*/bin/python3),$(if $(shell $(p) -c '$(NEW_ENOUGH)' >/dev/null 2>&1 && echo y),$(p))) python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -10,7 +13,7 @@ EXTRAS ?= dev,notebooks,tfds,tb,cluster
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c '$(NEW_ENOUGH)' 2>/dev/null || { rm -rf $(VENV); $(PYTHON) -m venv $(VENV); }
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
