@@ -25,12 +25,13 @@ not quietly averaged away. One value gives its mean and a NaN interval; none giv
 **The log scale.** Gains, gradient norms and stream spreads are positive and heavy-tailed: one
 seed's composite gain can be 57 and another's 4443. Their raw-scale interval is centred on a
 mean the largest seed dominates, reaches below 0 and covers the true mean far less than 95% of
-the time (``coverage``: 54-63% for such spreads). Such a quantity (``log=True``) is summarised
-by its geometric mean ``exp(mean(log x))`` with the t interval computed on ``log x`` and
-back-transformed, which covers the true geometric mean 95% of the time when ``log x`` is normal;
-a paired comparison is the ratio ``b / a``, its interval the t interval of the per-seed
-``log b - log a``, back-transformed. A value <= 0 has no log: the result is NaN, except that all
-zeros (the stream spread of a single-stream mixer) give 0 with the interval [0, 0].
+the time (:func:`coverage`: 44-45% for such spreads, n = 3 and 5; docs/statistics.md). Such a
+quantity (``log=True``) is summarised by its geometric mean ``exp(mean(log x))`` with the t
+interval computed on ``log x`` and back-transformed, which covers the true geometric mean 95% of
+the time when ``log x`` is normal; a paired comparison is the ratio ``b / a``, its interval the
+t interval of the per-seed ``log b - log a``, back-transformed. A value <= 0 has no log: the
+result is NaN, except that all zeros (the stream spread of a single-stream mixer) give 0 with
+the interval [0, 0].
 
 **Significance** (:func:`significant`): an interval counts as excluding 0 (or a ratio 1) only
 when it clears it by more than ``SIGNIFICANCE_RTOL`` (1e-4) of the values' scale; float32
