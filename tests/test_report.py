@@ -959,3 +959,51 @@ def test_finding_counts_the_runs_that_learned():
   assert "did not" not in text, text
   assert text.startswith("mhc_lite learned the task in 3 of 3 runs (mean KL 0.0359 bits"), text
   assert "residual in 1 of 3 (mean 1.01 bits)" in text
+
+
+# =========================================================================== arms
+@pytest.fixture(scope="module")
+def arm_sweep(tmp_path_factory):
+  """hc_mhc_scale's design in small: arms that share a mixer and differ in its options (mhc with
+  the default init and with stream_init=symmetric), 3 seeds each; the symmetric arm's held-out
+  loss is 0.3 nats higher."""
+  root = tmp_path_factory.mktemp("arms")
+  arms = {
+    "hc": {"model.mixer": "hc"},
+    "mhc": {"model.mixer": "mhc"},
+    "mhc_sym": {"model.mixer": "mhc", "model.mixer_options.stream_init": "symmetric"},
+  }
+  runs = {}
+  for arm, ov in arms.items():
+    for s in range(3):
+      name = f"arm={arm},seed={s}"
+      write_run(root / "runs" / name, mixer=ov["model.mixer"], seed=s, steps=40, eval_every=20)
+      if arm == "mhc_sym":
+        _rewrite(
+          root / "runs" / name,
+          lambda r: r.update({"eval/loss": r["eval/loss"] + 0.3}) if "eval/loss" in r else None,
+        )
+      runs[name] = {"status": "done", "overrides": {**ov, "train.seed": s}, "dir": f"runs/{name}"}
+  (root / "manifest.json").write_text(json.dumps({"runs": runs}))
+  return root
+
+
+def test_arms_that_share_a_mixer_are_compared(arm_sweep):
+  table = summary_table(arm_sweep)
+  assert list(table["stream_init"].dropna().unique()) == ["symmetric"]
+  paired = paired_table(table)
+  pairs = set(zip(paired["mixer_a"], paired["mixer_b"]))
+  assert pairs == {
+    ("hc", "mhc"),
+    ("hc", "mhc (stream_init=symmetric)"),
+    ("mhc", "mhc (stream_init=symmetric)"),
+  }
+  assert "stream_init" not in paired.columns  # the option names the arm, not a group
+  row = paired[
+    (paired["mixer_a"] == "mhc")
+    & (paired["mixer_b"] == "mhc (stream_init=symmetric)")
+    & (paired["metric"] == "eval_loss")
+  ].iloc[0]
+  assert row["n_pairs"] == 3 and row["diff_mean"] == pytest.approx(0.3) and row["significant"]
+  text = finding(table)
+  assert "mhc (stream_init=symmetric)" in text, text

@@ -627,8 +627,40 @@ _MIXER_ORDER = ("residual", "hc", "mhc", "mhc_lite")
 
 
 def _mixer_order(values) -> list:
+  """Mixers (or arm labels, "mhc (stream_init=symmetric)") in the usual order: residual, hc,
+  mhc, mhc_lite, then by name; an arm right after its mixer."""
   names = list(dict.fromkeys(str(v) for v in values if v is not None and v is not pd.NA))
-  return [m for m in _MIXER_ORDER if m in names] + sorted(m for m in names if m not in _MIXER_ORDER)
+
+  def key(name: str) -> tuple:
+    base = name.split(" (")[0]
+    known = _MIXER_ORDER.index(base) if base in _MIXER_ORDER else len(_MIXER_ORDER)
+    return known, base, name != base, name
+
+  return sorted(names, key=key)
+
+
+def _option_columns(df: pd.DataFrame) -> list[str]:
+  """The axis columns that configure the mixer (``model.mixer_options.*``): with the mixer they
+  name the *arm* that paired comparisons and the sentence compare (an arm "mhc with
+  stream_init=symmetric" is compared with "mhc" and "hc", not grouped apart from them)."""
+  axes = df.attrs.get("axes") or {}
+  return [c for k, c in axes.items() if k.startswith("model.mixer_options.") and c in df.columns]
+
+
+def arm_labels(df: pd.DataFrame, options: list[str] | None = None) -> pd.Series:
+  """Each run's mixer with its :func:`_option_columns` values where set: "mhc",
+  "mhc (stream_init=symmetric)"."""
+  options = _option_columns(df) if options is None else options
+
+  def label(r) -> str:
+    extra = [f"{c}={r[c]}" for c in options if _is_set(r[c])]
+    return str(r["mixer"]) + (f" ({', '.join(extra)})" if extra else "")
+
+  return pd.Series([label(r) for _, r in df.iterrows()], index=df.index, dtype=object)
+
+
+def _is_set(v) -> bool:
+  return not (v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)))
 
 
 def group_columns(df: pd.DataFrame) -> list[str]:
@@ -699,15 +731,16 @@ def paired_table(df: pd.DataFrame) -> pd.DataFrame:
   by more than rounding: :func:`mhc_jax.sweep.stats.significant`). Only runs with logged
   metrics count. An empty frame (with the columns) when fewer than two mixers have results.
   """
-  context = [c for c in group_columns(df) if c != "mixer"]
+  options = _option_columns(df)
+  context = [c for c in group_columns(df) if c != "mixer" and c not in options]
   metrics = [m for m in GROUP_METRICS if m in df.columns]
   cols = [*context, "mixer_a", "mixer_b", *stats.PAIRED_COLUMNS[2:]]
   if "mixer" not in df.columns:
     return pd.DataFrame(columns=cols)
   done = df[df["steps"] > 0]
-  if done["mixer"].astype(str).nunique() < 2:
+  done = done.assign(mixer=arm_labels(done, options))
+  if done["mixer"].nunique() < 2:
     return pd.DataFrame(columns=cols)
-  done = done.assign(mixer=done["mixer"].astype(str))
   out = stats.paired_stats(
     done,
     "mixer",
@@ -835,24 +868,27 @@ def finding(df: pd.DataFrame) -> str:
   d = df[df["steps"] > 0] if "steps" in df.columns else df
   if not len(d):
     return "No run has logged metrics yet, so there is nothing to compare."
-  if "mixer" not in d.columns or d["mixer"].astype(str).nunique() < 2:
+  options = _option_columns(df)
+  if "mixer" in d.columns:
+    d = d.assign(mixer=arm_labels(d, options))
+  if "mixer" not in d.columns or d["mixer"].nunique() < 2:
     m = str(d["mixer"].iloc[0]) if "mixer" in d.columns else "one configuration"
     loss = _num_series(d["final_loss"])
     loss = loss[np.isfinite(loss)]
     tail = f" (final loss {_band(loss.min(), loss.max())})" if loss.size else ""
     return f"Only one mixer ({m}) has results{tail}, so there is no comparison between mixers."
-  d = d.assign(mixer=d["mixer"].astype(str))
   order = _mixer_order(d["mixer"])
   ctx = [
     c
     for c in group_columns(df)
-    if c != "mixer" and c in d.columns and d[c].map(stats._key).nunique() > 1
+    if c != "mixer" and c not in options and c in d.columns and d[c].map(stats._key).nunique() > 1
   ]
   for rule in (_finding_divergence, _finding_learning, _finding_growth, _finding_spikes):
     text = rule(d, order, ctx)
     if text:
       return text + "."
-  return (_finding_loss(d, order, ctx) or _finding_none(d, order)) + "."
+  paired = paired_table(df) if "seed" in d.columns and d["seed"].nunique() > 1 else None
+  return (_finding_loss(d, order, ctx, paired) or _finding_none(d, order)) + "."
 
 
 def _groups(d: pd.DataFrame, ctx: list[str]) -> list[tuple[tuple, pd.DataFrame]]:
@@ -1057,10 +1093,11 @@ def _endpoint(d: pd.DataFrame) -> tuple[str, str]:
   return "final_loss", "final training loss"
 
 
-def _finding_loss(d, order, ctx) -> str | None:
+def _finding_loss(d, order, ctx, paired: pd.DataFrame | None) -> str | None:
+  """The loss rule of :func:`finding`; ``paired``: :func:`paired_table` of the sweep (None
+  without seeds)."""
   col, what = _endpoint(d)
   unit = "seed" if "seed" in d.columns else "run"
-  paired = paired_table(d) if unit == "seed" and d["seed"].nunique() > 1 else None
   if paired is not None:
     paired = paired[paired["metric"] == col] if len(paired) else None
 
