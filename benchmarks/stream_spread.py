@@ -1,7 +1,7 @@
 """Stream spread across depth for mixers and initialisations (docs/mixers.md, "Symmetry").
 
 Trains each case with `mhc-jax train` on byte-level text (depth 32, width 32, n = 4, 8 x 64
-bytes, lr 1e-2, warm-up 15, clipping off, 150 steps: the setting in which the symmetric mHC
+bytes, lr 1e-2, warm-up 15 (or the whole run if shorter), clipping off, 150 steps: the setting in which the symmetric mHC
 init was found to collapse its streams) and prints, from the run's last diagnostic record, the
 relative stream spread RMS(x - mean over streams) / RMS(x) after mixer layers 0, L/4, L/2, 3L/4
 and the last, and the mean train loss of the last 8 steps.
@@ -68,7 +68,7 @@ def run_case(case: str, depth: int, steps: int, out: Path) -> dict:
     "data.seq_len=64",
     "data.batch_size=8",
     "optim.lr=1e-2",
-    "optim.warmup_steps=15",
+    f"optim.warmup_steps={min(15, steps)}",
     "optim.clip=0",
     f"train.steps={steps}",
     "train.log_every=1",

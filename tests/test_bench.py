@@ -16,6 +16,7 @@ import dot_ceiling  # noqa: E402
 import population_bench  # noqa: E402
 import step_bench  # noqa: E402
 import step_profile  # noqa: E402
+import stream_spread  # noqa: E402
 import suite_times  # noqa: E402
 
 TOY = ["--width", "16", "--depth", "1", "--heads", "2", "--batch", "2", "--seq-len", "8"]
@@ -314,3 +315,22 @@ def test_gpu_check_runs_at_toy_size(tmp_path):
   assert {"bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale_gpu.yaml"} <= set(studies)
   assert all("error" not in s and s["step_s"] > 0 for s in studies.values()), studies
   assert "| mhc_lite | bf16 |" in r.stdout
+
+
+def test_stream_spread_cases_and_bad_input(capsys):
+  """benchmarks/stream_spread.py: a case is a mixer and its options; a malformed one exits 2."""
+  assert stream_spread.parse_case("mhc:stream_init=symmetric:res_diag=0.95") == (
+    "mhc",
+    ["model.mixer_options.stream_init=symmetric", "model.mixer_options.res_diag=0.95"],
+  )
+  assert stream_spread.parse_case("hc") == ("hc", [])
+  assert stream_spread.main(["mhc:stream_init"]) == 2
+  assert "error: case 'mhc:stream_init'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_stream_spread_runs_a_tiny_case(tmp_path):
+  """The benchmark trains a case with mhc-jax train and reads the spread per layer back."""
+  r = stream_spread.run_case("mhc", depth=2, steps=10, out=tmp_path / "run")
+  assert len(r["spread"]) == 5 and all(0.0 <= v <= 2.0 for v in r["spread"])
+  assert r["step"] == 9 and r["loss"] > 0
