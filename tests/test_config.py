@@ -228,6 +228,7 @@ def test_frozen_and_replace_revalidates():
     (["train.steps=true"], "train.steps: expected int, got bool True"),
     (["train.steps=10.0"], "train.steps: expected int, got float 10.0"),
     (["train.steps=0"], "train.steps: must be >= 1"),
+    (["train.spike_window=2"], "train.spike_window: must be >= 3"),  # the detector's minimum
     (["model.rope=1"], "model.rope: expected bool, got int 1"),
     (["optim.lr=fast"], "optim.lr: expected float"),
     (["optim.lr=.nan"], "optim.lr: expected a finite number"),

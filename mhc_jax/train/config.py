@@ -482,7 +482,7 @@ class TrainConfig(_Section):
     for name in ("diag_every", "eval_every", "ckpt_every", "z_loss"):
       self._at_least(name, 0)
     self._at_least("keep_ckpts", 1)
-    self._at_least("spike_window", 2)
+    self._at_least("spike_window", 3)  # spikes.RollingSpikeDetector needs 3
     self._at_least("spike_threshold", 0, strict=True)
 
 
