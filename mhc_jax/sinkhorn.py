@@ -51,7 +51,7 @@ def _tokens_last(z: jax.Array) -> jax.Array:
   """``[..., n, n]`` -> ``[n, n, N]``: the N matrices along the last (contiguous) axis, so every
   step below is a reduction over a short leading axis, vectorised over matrices. With the
   matrices in front, each ``n x n`` logsumexp was its own tiny reduction (with autodiff's
-  backward: 16.1 against 10.2 ms per forward + backward, README "Sinkhorn gradient modes")."""
+  backward: 16.1 against 10.2 ms per forward + backward, docs/results.md, "Sinkhorn gradient modes")."""
   n = z.shape[-1]
   return jnp.moveaxis(z.reshape((-1, n, n)), 0, -1)
 
@@ -60,7 +60,7 @@ def _tokens_last(z: jax.Array) -> jax.Array:
 # written out as element-wise maxima / sums of its ``n`` slices when ``n <= UNROLL_N`` and
 # ``N >= WRITTEN_FROM``. XLA's CPU reduction over the leading axis grew far faster than ``N``
 # (a 4 x 4 logsumexp: 0.15-0.27 ms at N = 4096, 2.7 ms at 12288, 4.0 ms at 16384; written out
-# 0.11, 0.19, 0.22 ms) but is the faster form below ~4096 matrices (README "Sinkhorn gradient
+# 0.11, 0.19, 0.22 ms) but is the faster form below ~4096 matrices (docs/results.md, "Sinkhorn gradient
 # modes": benchmarks/sinkhorn_bench.py --tokens ...). Same function; the sums' order differs.
 UNROLL_N = 8
 WRITTEN_FROM = 4096

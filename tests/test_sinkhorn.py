@@ -263,7 +263,7 @@ def _reductions(jaxpr) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
 def test_many_matrices_reduce_element_wise_and_match_the_reduction_form(mode):
   """From ``WRITTEN_FROM`` matrices on, the n x n projection's iterations (forward, and the
   unrolled backward) reduce over the short matrix axes element-wise (XLA's CPU reduction over
-  them slowed down far faster than the matrix count: README "Sinkhorn gradient modes"), with
+  them slowed down far faster than the matrix count: docs/results.md, "Sinkhorn gradient modes"), with
   the numbers of the reduction form, which smaller batches still use: the same matrices
   projected in two halves."""
   n = 4

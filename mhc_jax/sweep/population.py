@@ -1,7 +1,7 @@
 """Populations: runs that differ only in ``optim.lr``, ``train.seed`` and/or ``model.init_scale``
 trained together as one jitted program, ``jax.vmap`` over parameters and optimiser state
 (``train.population_mode=vmap``, the default), or with each member's step written out in the
-program (``unroll``: faster steps on the CPU, a bigger program; README "Populations").
+program (``unroll``: faster steps on the CPU, a bigger program; docs/results.md, "Populations").
 
 The population step is ``train.step.make_train_step`` itself, vmapped: each member builds its
 optimiser with ``make_optimizer(..., lr=<its traced lr>)``, so a member's update is exactly the
