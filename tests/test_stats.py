@@ -192,3 +192,12 @@ def test_coverage_of_raw_and_log_intervals_for_hc_like_spreads():
   ]
   assert cov["log_excludes_1"] > cov["raw_excludes_1"]  # HC's gain told apart from 1
   assert table["log"].iloc[0] == cov["log"] and table["raw"].iloc[0] == cov["raw"]
+
+
+def test_group_keys_agree_across_numpy_and_python_scalars():
+  """A numpy float and the equal Python float are one group key (numpy 2 reprs them apart:
+  'np.float64(0.01)'), so the report's sentence finds the paired row of a group."""
+  assert stats._key(np.float64(0.01)) == stats._key(0.01)
+  assert stats._key(np.int64(64)) == stats._key(64) == stats._key(64.0)
+  assert stats._key(np.float32(0.5)) == stats._key(0.5)
+  assert stats._key("mhc") != stats._key(0.01)

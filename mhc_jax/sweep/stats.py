@@ -144,6 +144,8 @@ def _key(v) -> str:
     return repr(int(v))
   if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
     return repr(int(v))
+  if isinstance(v, (float, np.floating)):
+    return repr(float(v))  # numpy 2 reprs np.float64(0.01) unlike 0.01
   return repr(v)
 
 
