@@ -150,7 +150,7 @@ def qk_alignment_by_evidence(q, k, evidence, num_groups: int | None = None, dist
   `slope`: the slope within groups of equal distance (both demeaned per distance, i.e. distance
   as fixed effects; equals `slope_raw` without `distance`). > 0 = sharpening with evidence.
   `alignment_adjusted [G]`: per-evidence means of the cosine with the distance effect removed
-  (plus the overall mean). `distance_groups`: how many distances held 2+ points.
+  (distance fixed effects fitted jointly with the evidence slope; plus the overall mean). `distance_groups`: how many distances held 2+ points.
 
   Controls for: evidence growing with the query-target distance, which alone moves the
   cosine when q and k carry position (RoPE, or a learned drift with position). Read q and k
@@ -184,8 +184,12 @@ def qk_alignment_by_evidence(q, k, evidence, num_groups: int | None = None, dist
   c_res = partial_out(c, strata=d)
   den = float((e_res * e_res).sum())
   slope = float((e_res * c_res).sum() / den) if den > 1e-12 else float("nan")
+  # the distance effect, estimated jointly with the evidence slope (two-way fit), is removed;
+  # demeaning the cosine within distance alone would also remove the part of the evidence effect
+  # that is collinear with distance and flatten the curve
+  e_mean_d = e - e_res
   adj = np.full(len(cos), np.nan)
-  adj[keep] = c_res + c.mean()
+  adj[keep] = c_res + (slope if np.isfinite(slope) else 0.0) * (e_mean_d - e.mean()) + c.mean()
   align_adj, _ = by_ev(np.nan_to_num(adj))
   _, cnt_d = np.unique(d, return_counts=True)
   out.update(slope=slope, alignment_adjusted=align_adj, distance_groups=int((cnt_d > 1).sum()))
