@@ -94,12 +94,13 @@ def _claim(out, cfg, resume: bool):
 def cmd_train(args) -> int:
   from mhc_jax import rundir, storage
   from mhc_jax.train import dist
+  from mhc_jax.train.config import config_hash
   from mhc_jax.train.loop import SingleProgram, prepare, train
 
   cfg = _load(args)
   cfg = dist.init_distributed(cfg, args)
   setup = prepare(cfg)
-  out = args.out or os.fspath(rundir.default_run_dir(setup.cfg))
+  out = args.out or os.fspath(rundir.default_run_dir(setup.cfg.name, config_hash(setup.cfg)))
   out = storage.path(dist.broadcast_str(os.fspath(out)))  # process 0's default directory
   if args.dry_run:
     program = SingleProgram(setup)

@@ -43,12 +43,10 @@ __all__ = [
 ]
 
 
-def default_run_dir(cfg) -> storage.Path:
+def default_run_dir(name: str, config_hash: str) -> storage.Path:
   """``runs/<name>/<timestamp>-<config hash>``: never an existing directory."""
-  from mhc_jax.train.config import config_hash
-
   stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  base = storage.path("runs") / cfg.name / f"{stamp}-{config_hash(cfg)}"
+  base = storage.path("runs") / name / f"{stamp}-{config_hash}"
   p, i = base, 1
   while p.exists():
     p, i = base.parent / f"{base.name}-{i}", i + 1

@@ -82,7 +82,6 @@ from mhc_jax.train.config import (
 __all__ = [
   "Run",
   "Sweep",
-  "POPULATION_KEYS",
   "SWEEP_KEYS",
   "load_sweep",
   "expand",
@@ -106,8 +105,6 @@ SWEEP_KEYS = (
   "executor",
   "eval",
 )
-#: Axes that leave every shape alone, so runs differing only in them can share one program.
-POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
 
@@ -126,7 +123,7 @@ class Sweep:
   base_path: Path | None  # the resolved base config file
   set: dict  # dotted overrides for every run (file `set`, then --set)
   axes: dict  # dotted key -> list of values
-  population: tuple  # population axes (subset of axes and of POPULATION_KEYS)
+  population: tuple  # population axes (subset of axes and of population.POPULATION_KEYS)
   base_config: dict  # base + set, validated, as a nested dict
   runs: list  # [Run]
   options: dict = dataclasses.field(default_factory=dict)  # parallel / executor (how to run)
@@ -275,6 +272,8 @@ def load_sweep(
       raise ConfigError("seeds: this sweep already has a train.seed axis; give one or the other")
     axes["train.seed"] = _seed_values(data["seeds"], base_config["train"]["seed"])
     pop = pop if "train.seed" in pop else [*pop, "train.seed"]
+  from mhc_jax.sweep.population import POPULATION_KEYS
+
   for k in pop:
     if k not in POPULATION_KEYS:
       raise ConfigError(

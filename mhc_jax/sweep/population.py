@@ -40,7 +40,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mhc_jax import logs, rundir
 from mhc_jax.model import Transformer, count_params
-from mhc_jax.sweep.grid import POPULATION_KEYS
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.config import Config, ConfigError, to_dict
 from mhc_jax.train.loop import Setup, host_batch, mean_over_batches, run_members
@@ -61,6 +60,9 @@ __all__ = [
 
 # ------------------------------------------------------------------------------------------
 # Who can be a population.
+
+#: Axes that leave every shape alone, so runs differing only in them can share one program.
+POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
 
 
 def _shared_dict(cfg: Config) -> dict:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
@@ -498,9 +497,3 @@ def main(args) -> int:
     print_dry_run(sweep, setups, out_dir)
     return 0
   return run_sweep(sweep, setups, out_dir, progress=not getattr(args, "quiet", False))
-
-
-if __name__ == "__main__":  # pragma: no cover
-  from mhc_jax.cli import main as _cli
-
-  sys.exit(_cli(["sweep", *sys.argv[1:]]))
