@@ -229,6 +229,29 @@ def _series(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
   return d["step"].to_numpy(dtype=np.float64), d[col].to_numpy(dtype=np.float64)
 
 
+def _legend_handles(colors, styles, style_keys, max_band, lrs=()) -> list:
+  """Legend entries shared by the curve figures: one colour per mixer, then the learning-rate
+  shades, the line styles of the other varying columns and the seed band, where present."""
+  handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
+  if lrs:
+    handles.append(Line2D([], [], ls="none", label="learning rate:"))
+    handles += [
+      Line2D([], [], color=_shade("#333333", k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}")
+      for k, lr in enumerate(lrs)
+    ]
+  if styles:
+    handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
+    handles += [
+      Line2D(
+        [], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5, label="  " + ", ".join(k)
+      )
+      for i, k in enumerate(style_keys)
+    ]
+  if max_band:
+    handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
+  return handles
+
+
 def _plain_log_ticks(ax, axis: str = "y") -> None:
   """Plain-number tick labels on a log axis ("0.5", "2", "1e+03" rather than 5×10^-1); an
   axis spanning less than about a decade gets evenly spaced round ticks instead of decades.
@@ -367,23 +390,7 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
     ax.label_outer()
     if log:
       _plain_log_ticks(ax)
-  handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
-  if lrs:
-    handles.append(Line2D([], [], ls="none", label="learning rate:"))
-    handles += [
-      Line2D([], [], color=_shade("#333333", k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}")
-      for k, lr in enumerate(lrs)
-    ]
-  if styles:
-    handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
-    handles += [
-      Line2D(
-        [], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5, label="  " + ", ".join(k)
-      )
-      for i, k in enumerate(style_keys)
-    ]
-  if max_band:
-    handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
+  handles = _legend_handles(colors, styles, style_keys, max_band, lrs)
   if any_spike:
     handles.append(
       Line2D(
@@ -651,17 +658,7 @@ def stream_spread_vs_layer(
     ax.label_outer()
     if log:
       _plain_log_ticks(ax)
-  handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
-  if styles:
-    handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
-    handles += [
-      Line2D(
-        [], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5, label="  " + ", ".join(k)
-      )
-      for i, k in enumerate(style_keys)
-    ]
-  if max_band:
-    handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
+  handles = _legend_handles(colors, styles, style_keys, max_band)
   fig.legend(
     handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False
   )
