@@ -229,6 +229,13 @@ def _series(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
   return d["step"].to_numpy(dtype=np.float64), d[col].to_numpy(dtype=np.float64)
 
 
+def _panel_values(runs: pd.DataFrame, panel: str | None) -> list:
+  """The values of the ``panel`` column, numbers in order, one panel each ([None]: one panel)."""
+  if not panel:
+    return [None]
+  return sorted(runs[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
+
+
 def _legend_handles(colors, styles, style_keys, max_band, lrs=()) -> list:
   """Legend entries shared by the curve figures: one colour per mixer, then the learning-rate
   shades, the line styles of the other varying columns and the seed band, where present."""
@@ -322,11 +329,7 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
   colors = mixer_colors(_mixer_of(runs))
   lrs = sorted(_num(runs["lr"]).dropna().unique()) if _varying(runs, "lr") else []
   style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
-  pvals = (
-    sorted(runs[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
-    if panel
-    else [None]
-  )
+  pvals = _panel_values(runs, panel)
   fig, axes = _grid(len(pvals))
   log = log if log is not None else _use_log(allv)
   any_spike = any_nonfinite = False
@@ -618,11 +621,7 @@ def stream_spread_vs_layer(
   styles = _style_cols(runs, panel)
   style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
   colors = mixer_colors(_mixer_of(runs))
-  pvals = (
-    sorted(runs[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
-    if panel
-    else [None]
-  )
+  pvals = _panel_values(runs, panel)
   fig, axes = _grid(len(pvals))
   max_band = 0
   for ax, pv in zip(axes, pvals):
