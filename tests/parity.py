@@ -26,7 +26,6 @@ if __name__ == "__main__":  # before jax is imported: 8 simulated devices, as th
   sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
 
 GOLD = pathlib.Path(__file__).parent / "data" / "parity_before_redesign.json"
-CONFIG = pathlib.Path(__file__).parents[1] / "configs" / "quickstart.yaml"
 MIXERS = (
   "residual",
   "hc",
@@ -45,8 +44,16 @@ MIXERS = (
   "attnres",
 )
 DEVICES = (1, 8)
-# 4 steps, diagnostics at steps 0 and 2, batch 8 (divisible by 8 devices), depth 2, width 32.
+# configs/quickstart.yaml as it was when recorded (copied here, so the demo may change), then
+# 4 steps, diagnostics at steps 0 and 2, batch 8 (divisible by 8 devices), 16 tokens.
 OVERRIDES = (
+  "name=quickstart",
+  "model.depth=2",
+  "model.width=32",
+  "model.heads=2",
+  "data.task=bijection",
+  "data.options.n_symbols=8",
+  "optim.lr=3e-3",
   "train.steps=4",
   "optim.warmup_steps=2",
   "train.log_every=1",
@@ -65,7 +72,7 @@ def record(mixer: str, devices: int) -> dict[str, list[float]]:
   from mhc_jax.train.config import load_config
   from mhc_jax.train.loop import prepare, train
 
-  cfg = load_config(CONFIG, [*OVERRIDES, f"model.mixer={mixer}", f"mesh.data={devices}"])
+  cfg = load_config(None, [*OVERRIDES, f"model.mixer={mixer}", f"mesh.data={devices}"])
   setup = prepare(cfg, devices=jax.devices()[:devices])
   with tempfile.TemporaryDirectory() as tmp:
     run = pathlib.Path(tmp) / "run"
