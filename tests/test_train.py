@@ -9,6 +9,7 @@ one compilation of the step, which is most of a test's time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -17,6 +18,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from faults import NanAt
 
 from mhc_jax import logs
 from mhc_jax.train.config import load_config
@@ -85,19 +87,21 @@ K = 2  # the skip run: the loss is made NaN at step K; checkpoints after every s
 
 @pytest.fixture(scope="module")
 def skip_run(tmp_path_factory):
-  """configs/debug.yaml for 4 steps with a NaN loss planted at step K (policy skip)."""
+  """configs/debug.yaml for 4 steps with a NaN loss planted at step K (policy skip): the test
+  wraps the data source (faults.NanAt), the production step is untouched."""
   import jax
 
   run = tmp_path_factory.mktemp("skip_run")
   cfg = tiny(
     "train.steps=4",
-    f"train.inject_nonfinite_at={K}",
     "train.nonfinite=skip",
     "train.ckpt_every=1",
     "train.keep_ckpts=3",
     "mesh.data=1",
   )
-  summary = train(prepare(cfg, devices=jax.devices()[:1]), run, progress=False)
+  setup = prepare(cfg, devices=jax.devices()[:1])
+  setup = dataclasses.replace(setup, source=NanAt(setup.source, K))
+  summary = train(setup, run, progress=False)
   return cfg, run, summary
 
 

@@ -94,14 +94,10 @@ def prepare(cfg: Config, devices=None) -> Setup:
 
 
 def host_batch(source, cfg: Config, step: int, split: str = "train") -> dict:
-  """This process's rows of global batch ``step`` as numpy (plus the fault-injection plant)."""
+  """This process's rows of global batch ``step`` as numpy."""
   b = {k: np.asarray(v) for k, v in source.batch(step, cfg.data.batch_size, split).items()}
   keep = ("inputs", "targets", "mask", "posterior", "evidence")
-  b = sh.local_rows({k: v for k, v in b.items() if k in keep})
-  if cfg.train.inject_nonfinite_at >= 0 and split == "train":
-    v = np.nan if step == cfg.train.inject_nonfinite_at else 1.0
-    b["plant"] = np.full((len(b["inputs"]),), v, np.float32)
-  return b
+  return sh.local_rows({k: v for k, v in b.items() if k in keep})
 
 
 def is_diag_step(cfg: Config, step: int) -> bool:

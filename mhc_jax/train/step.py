@@ -48,8 +48,6 @@ def make_loss(model, cfg):
       params, batch["inputs"], layer_probes, out_probe, stats=probes is not None
     )
     loss, z = token_loss(logits, batch, cfg.data.target)
-    if "plant" in batch:  # fault injection: the loss (as logged) is NaN at a chosen step
-      loss = loss * jnp.mean(batch["plant"])
     total = loss + cfg.train.z_loss * z
     return total, (loss, z, aux)
 
