@@ -196,10 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
   s.add_argument(
     "--parallel",
     metavar="K",
-    help="train up to K runs at once, each in its own "
-    "worker process on its own slice of the devices (mhc_jax.sweep.executor)",
+    help="train up to K runs at once, each a submitit job on its own slice of the devices",
   )
-  s.add_argument("--executor", help="where workers run: process (default), submitit-local, slurm")
+  s.add_argument("--executor", help="where the jobs run: local (default with --parallel), slurm")
   _add_dist_flags(s)
   s.set_defaults(fn=cmd_sweep)
   e = sub.add_parser("eval", help="posterior fidelity and geometry probes on a run's checkpoint")

@@ -38,7 +38,6 @@ __all__ = [
   "checkpoint_steps",
   "read_summary",
   "write_summary",
-  "prepare_run_dir",
   "Lock",
 ]
 
@@ -90,30 +89,6 @@ def read_summary(run_dir) -> dict:
 
 def write_summary(run_dir, summary: dict) -> None:
   storage.write_json_atomic(storage.path(run_dir) / "summary.json", summary)
-
-
-def prepare_run_dir(run_dir, cfg, wipe: bool | None = None) -> str:
-  """What a sweep does with a run's directory: ``"fresh"`` (none, or one without a checkpoint,
-  which is then deleted so nothing of the earlier attempt remains), ``"resume"`` (it has a
-  checkpoint), or ``"done"`` (summary.json says done and the last checkpoint is the final
-  step). ``wipe`` (default: on process 0 only) deletes the checkpoint-less directory."""
-  run_dir = storage.path(run_dir)
-  if not run_dir.exists():
-    return "fresh"
-  steps = checkpoint_steps(run_dir)
-  if not steps:
-    if wipe if wipe is not None else _process_index() == 0:
-      run_dir.rmtree()
-    return "fresh"
-  if read_summary(run_dir).get("status") == "done" and max(steps) == cfg.train.steps:
-    return "done"
-  return "resume"
-
-
-def _process_index() -> int:
-  import jax
-
-  return jax.process_index()
 
 
 # ------------------------------------------------------------------------------------------

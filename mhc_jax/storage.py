@@ -75,12 +75,14 @@ def _fsync_dir(d: str) -> None:
 
 
 def write_bytes_atomic(p: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
-  """Replace ``p`` with ``data`` so that readers see the old file or the new one, never half."""
+  """Replace ``p`` with ``data`` so that readers see the old file or the new one, never half
+  (its directory is made if missing)."""
   if not is_local(p):
     path(p).write_bytes(data)
     return
   target = os.fspath(p)
   d = os.path.dirname(os.path.abspath(target))
+  os.makedirs(d, exist_ok=True)
   fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=d)
   try:
     with os.fdopen(fd, "wb") as f:

@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -228,10 +229,8 @@ def test_manifest_written_atomically_and_readable(tmp_path):
   sw = grid.load_sweep(_sweep(tmp_path))
   manifest, todo, notes = runner.plan(sw, tmp_path / "s")
   assert todo == [r.name for r in sw.runs] and not notes
-  (tmp_path / "s").mkdir()
   runner.write_manifest(tmp_path / "s", manifest)
-  # no temp left; the lock file stays (it is never replaced, so locks on it mean something)
-  assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["manifest.json", "manifest.lock"]
+  assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["manifest.json"]  # no temp left
   m = json.loads((tmp_path / "s" / "manifest.json").read_text())
   assert m["runs"]["mixer=mhc,depth=2"] == {
     "status": "pending",
@@ -239,16 +238,31 @@ def test_manifest_written_atomically_and_readable(tmp_path):
     "overrides": {"model.mixer": "mhc", "model.depth": 2},
   }
   assert list(logs.load_summaries(tmp_path / "s")["run"]) == todo
+  (tmp_path / "s" / "manifest.json").write_text("{not json")
+  with pytest.raises(ConfigError, match="^--out: .*manifest.json is not valid JSON"):
+    runner.plan(sw, tmp_path / "s")
+
+
+def test_a_run_is_finished_when_its_summary_says_so(tmp_path):
+  d = tmp_path / "run"
+  assert runner.run_status(d) == ("pending", None)
+  for status, want in [("done", "done"), ("diverged", "done"), ("preempted", "pending")]:
+    rundir.write_summary(d, {"status": status})
+    assert runner.run_status(d) == (want, None), status
+  rundir.write_summary(d, {"status": "halted", "message": "non-finite loss at step 3"})
+  assert runner.run_status(d) == ("failed", "non-finite loss at step 3")
+  rundir.write_summary(d, {"status": "failed"})
+  assert runner.run_status(d) == ("failed", "failed")
 
 
 def test_changed_sweep_file(tmp_path):
   out = tmp_path / "s"
-  out.mkdir()
   sw = grid.load_sweep(_sweep(tmp_path))
   manifest, _, _ = runner.plan(sw, out)
-  manifest["runs"]["mixer=residual,depth=1"]["status"] = "done"
-  manifest["runs"]["mixer=residual,depth=2"].update(status="failed", error="boom")
-  (out / "runs" / "mixer=residual,depth=2").mkdir(parents=True)
+  rundir.write_summary(out / "runs" / "mixer=residual,depth=1", {"status": "done"})
+  rundir.write_summary(
+    out / "runs" / "mixer=residual,depth=2", {"status": "failed", "message": "boom"}
+  )
   runner.write_manifest(out, manifest)
   # a changed base value or a changed set of axis keys: refused, naming the key
   with pytest.raises(ConfigError, match=r"^optim.lr: changed from 0.003 to 0.01"):
@@ -269,25 +283,9 @@ def test_changed_sweep_file(tmp_path):
   assert m["runs"]["mixer=residual,depth=2"]["error"] == "boom"
   assert "mixer=mhc,depth=1" in m["runs"] and any("no longer in the sweep file" in n for n in notes)
   # a failed run whose directory was deleted is retried
-  (out / "runs" / "mixer=residual,depth=2").rmdir()
+  shutil.rmtree(out / "runs" / "mixer=residual,depth=2")
   _, todo, _ = runner.plan(new, out)
   assert "mixer=residual,depth=2" in todo
-
-
-def test_prepare_run_dir(tmp_path):
-  cfg = grid.load_sweep(_sweep(tmp_path)).runs[0].cfg
-  d = tmp_path / "run"
-  assert rundir.prepare_run_dir(d, cfg) == "fresh"
-  d.mkdir()
-  (d / "config.yaml").write_text("x: 1\n")
-  (d / "metrics.jsonl").write_text('{"step":0,"loss":1.0}\n')
-  assert rundir.prepare_run_dir(d, cfg) == "fresh" and not d.exists()  # no checkpoint: wiped
-  (d / "checkpoints" / "2").mkdir(parents=True)
-  (d / "checkpoints" / "4.orbax-checkpoint-tmp-1").mkdir()  # unfinished save: not a checkpoint
-  assert rundir.prepare_run_dir(d, cfg) == "resume"
-  (d / "checkpoints" / str(cfg.train.steps)).mkdir()
-  (d / "summary.json").write_text(json.dumps({"status": "done"}))
-  assert rundir.prepare_run_dir(d, cfg) == "done"
 
 
 # =========================================================================== a real sweep

@@ -11,45 +11,32 @@ the sweep.
 
 from __future__ import annotations
 
-import json
 import time
 import traceback
-from pathlib import Path
 from typing import Callable
+
+from mhc_jax import rundir, storage
 
 __all__ = ["pending", "evaluate_runs"]
 
 
-def _eval_step(run_dir: Path) -> int | None:
-  try:
-    return int(json.loads((run_dir / "eval.json").read_text())["step"])
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-
-
-def pending(out_dir: str | Path, manifest: dict) -> list[tuple[str, Path]]:
+def pending(out_dir, manifest: dict) -> list:
   """(name, run directory) of the done runs whose eval.json is missing or older than their last
   checkpoint, in manifest order."""
-  from mhc_jax.rundir import checkpoint_steps
-
-  out_dir = Path(out_dir)
   todo = []
   for name, info in manifest.get("runs", {}).items():
-    if info.get("status") != "done":
-      continue
-    rdir = out_dir / info["dir"]
-    last = max(checkpoint_steps(rdir), default=None)
-    if last is not None and _eval_step(rdir) != last:
+    rdir = storage.path(out_dir) / info["dir"]
+    last = max(rundir.checkpoint_steps(rdir), default=None)
+    done = (storage.read_json(rdir / "eval.json") or {}).get("step")
+    if info.get("status") == "done" and last is not None and done != last:
       todo.append((name, rdir))
   return todo
 
 
-def evaluate_runs(
-  out_dir: str | Path, manifest: dict, batches: int, say: Callable[[str], None] = print
-) -> int:
+def evaluate_runs(out_dir, manifest: dict, batches: int, say: Callable[[str], None] = print) -> int:
   """Evaluate every :func:`pending` run on `batches` validation batches; returns how many
   failed."""
-  from mhc_jax.evaluate import evaluate_run, write_json_atomic
+  from mhc_jax.evaluate import evaluate_run
 
   todo = pending(out_dir, manifest)
   failed = 0
@@ -62,7 +49,7 @@ def evaluate_runs(
       say(f"eval [{i}/{len(todo)}] {name}: failed: {type(e).__name__}: {e}")
       failed += 1
       continue
-    write_json_atomic(rdir / "eval.json", result)
+    storage.write_json_atomic(rdir / "eval.json", result)
     kl = result.get("metrics", {}).get("kl_bits")
     what = f"KL {kl:.4f} bits" if isinstance(kl, float) else "done"
     say(f"eval [{i}/{len(todo)}] {name}: {what} ({time.perf_counter() - t0:.1f}s)")

@@ -1,77 +1,75 @@
 """``mhc-jax sweep FILE [--out DIR] [--set K=V ...] [--dry-run] [--parallel K]
-[--executor process|submitit-local|slurm]``: run a sweep, resumably.
+[--executor local|slurm]``: run a sweep, resumably.
 
-The sweep directory (default ``sweeps_out/<name>``) holds::
+The sweep directory (default ``sweeps_out/<name>``; local or ``gs://...``, through etils
+``epath``) holds::
 
     manifest.json   {"name", "sweep_file", "base", "set", "axes", "population",
-                     "base_config" (base + set, resolved), "seq", "updated",
+                     "base_config" (base + set, resolved),
                      "runs": {name: {"status": "pending" | "running" | "done" | "failed",
                                      "overrides": {axis key: value}, "dir": "runs/<name>",
-                                     "error" (failed runs), "wall_s", "final_loss" (finished),
-                                     "owner", "heartbeat" (while running), "attempts",
-                                     "claimed_at", "resumed_from", "host", "taken_over"}}}
-    manifest.lock   the lock every change to manifest.json is made under
+                                     "error" (failed runs)}}}
     runs/<name>/    a normal run directory (train.loop.train or a population member)
-    workers/        parallel sweeps: each worker's spec and log (<token>.json, <token>.log)
-    submitit/       submitit executors: the jobs' pickles and logs
-    report/         the report (mhc_jax.sweep.report.write_report): index.html, summary.md ...
+    submitit/       parallel and cluster sweeps: the jobs' pickles and logs
+    report/         the report (mhc_jax.sweep.report.write_report)
 
-Every change to ``manifest.json`` -- the plan, a claim, a heartbeat, a status, a result --
-is one locked, atomic, owner-checked transaction (:mod:`mhc_jax.sweep.manifest`), so several
-workers, sweep commands or hosts sharing the directory cannot corrupt it or train a run
-twice. Every run's config is validated, and the manifest checked against the sweep file,
-before anything is written (ConfigError: exit 2).
+A run is finished when its ``summary.json`` says so: ``done`` or ``diverged`` (trained to the
+end) count as done, ``halted`` (stopped by policy) or ``failed`` (an exception, or a job that
+died: the sweep writes that summary for it) as failed. ``manifest.json`` is written only by the
+sweep command (process 0), atomically, and its statuses are read off the summaries; nothing
+else is shared between jobs. Re-running a sweep continues it: finished runs are kept as they
+are (delete a failed run's directory to retry it); any other run trains, resuming from its
+newest checkpoint (the logs past it are dropped first, so every step is logged once) or from
+scratch when it has none. One trainer per run directory (:class:`mhc_jax.rundir.Lock`): a run
+that another sweep command is training is waited for, then skipped if that one finished it.
+A finished sweep prints that all runs are done, writes nothing, and exits 0.
 
-Re-running a sweep continues it: ``done`` and ``failed`` runs are kept as they are; any other
-run is trained -- unless a live worker holds it (then the command waits for it; a worker that
-died, or went silent past the lease, loses its runs to the next claimant) -- resuming from its
-newest checkpoint when its directory has one (the logs past the checkpoint are dropped first,
-so every step is logged once) and restarting from scratch when it has none. A failed run (an
-exception, a crashed worker, or halted by policy: non-finite values, divergence) records its
-error and the sweep goes on; to retry it, delete its run directory. A finished sweep prints
-that all runs are done, writes nothing, and exits 0.
-
-Without ``--parallel``/``--executor`` the runs train here, one after another (over all devices;
-several processes with jax.distributed train each run together). With them, each run (or
-population) trains in its own worker process on its own slice of the devices, or as its own
-cluster job: :mod:`mhc_jax.sweep.executor`. ``parallel:`` and ``executor:`` in the sweep file
-do the same; the flags win.
+Without ``--parallel``/``--executor`` the runs train here, one after another, over all devices
+(several processes with jax.distributed train each run together). With them, each unit (a run,
+or a population) is a submitit job: ``local`` (submitit's LocalExecutor, the default; up to K
+at once, GPUs split between them) or ``slurm`` (a SLURM job per unit; without ``--parallel`` all
+are queued at once). The sweep file's ``executor:`` mapping holds ``kind`` and submitit
+parameters (``mhc_jax.sweep.options``). A job sent SIGUSR2 (submitit's warning before a time
+limit or preemption) saves a checkpoint and is requeued; its next life resumes from it. Ctrl-C
+or SIGTERM: local jobs save a checkpoint and stop; SLURM jobs keep running (re-run the command
+to watch them and write the report).
 
 A changed sweep file: a sweep directory belongs to one base config (base file + ``set`` +
-``--set``) and one set of axis keys. Changing the base config or the axis keys is an error
-naming the changed key (use another ``--out``); adding values to an axis adds only the new
-runs; runs whose values were removed stay in the manifest and the report.
+``--set``) and one set of axis keys. Changing either is an error naming the key (use another
+``--out``); adding values to an axis adds only the new runs; runs whose values were removed
+stay in the manifest and the report.
 
-With ``population`` in the sweep file, runs that differ only in the population axes train as
-one vmapped program (mhc_jax.sweep.population); a group of one trains as a normal run.
-
-Exit codes: 0 every run done; 1 some run failed (the report is still written); 2 bad input;
-143 SIGTERM or Ctrl-C (checkpoints saved; re-run to continue).
+Exit codes (:mod:`mhc_jax.errors`): 0 every run done; 1 some run failed (the report is still
+written); 2 bad input (nothing written); 143 SIGTERM or Ctrl-C (re-run to continue).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import time
-from pathlib import Path
+import traceback
 
-from mhc_jax import logs
-from mhc_jax.sweep import grid, posteval
-from mhc_jax.sweep.manifest import Manifest, ManifestError, Worker, claim_state, lease_seconds
-from mhc_jax.train.config import ConfigError
+from mhc_jax import logs, rundir, storage
+from mhc_jax.errors import (
+  EXIT_FAILED,
+  EXIT_OK,
+  EXIT_PREEMPTED,
+  ConfigError,
+  Preempted,
+  RunHalted,
+  RunLocked,
+)
+from mhc_jax.sweep import grid, options as how, posteval
+from mhc_jax.train import dist
 
-__all__ = [
-  "main",
-  "run_sweep",
-  "plan",
-  "read_manifest",
-  "write_manifest",
-  "print_dry_run",
-]
+__all__ = ["main", "run_sweep", "plan", "run_status", "write_manifest", "Unit", "check_runs"]
 
-EXIT_FAILED, EXIT_PREEMPTED = 1, 143
+# summary.json status -> the sweep's status of the run (anything else: not finished)
+SWEEP_STATUS = {"done": "done", "diverged": "done", "halted": "failed", "failed": "failed"}
 TABLE_COLUMNS = [
   "status",
   "steps",
@@ -79,75 +77,49 @@ TABLE_COLUMNS = [
   "spike_count",
   "max_grad_norm",
   "amax_fwd_composite_max",
-  "amax_fwd_composite_tok_mean_max",
   "amax_bwd_composite_max",
-  "amax_bwd_composite_tok_mean_max",
   "kl_bits",
   "nonfinite",
 ]
 
 
-def _is_main() -> bool:
-  import jax
-
-  return jax.process_index() == 0
+def _say(msg: str) -> None:
+  if dist.is_main():
+    print(msg, flush=True)
 
 
 # ------------------------------------------------------------------------------------------
-# The manifest (every change goes through mhc_jax.sweep.manifest: locked, atomic, owner-checked).
+# The plan: which runs are finished (their summaries), the manifest, a changed sweep file.
 
 
-def read_manifest(out_dir: str | os.PathLike) -> dict | None:
+def run_status(run_dir) -> tuple[str, str | None]:
+  """(``done`` | ``failed`` | ``pending``, the failure's message) from ``summary.json``."""
+  s = rundir.read_summary(run_dir)
+  status = SWEEP_STATUS.get(s.get("status"), "pending")
+  return status, (s.get("message") or s.get("status")) if status == "failed" else None
+
+
+def read_manifest(out_dir) -> dict | None:
+  p = storage.path(out_dir) / "manifest.json"
+  if not p.exists():
+    return None
   try:
-    return Manifest(out_dir).read()
-  except ManifestError as e:
-    raise ConfigError(f"--out: {e}") from None
+    return json.loads(p.read_text())
+  except ValueError as e:
+    raise ConfigError(f"--out: {p} is not valid JSON ({e}); use another --out") from None
 
 
-def write_manifest(out_dir: str | os.PathLike, manifest: dict) -> None:
-  """Replace ``out_dir/manifest.json`` with `manifest` under the manifest lock (process 0
-  only). The runner itself merges (:func:`merge_plan`) instead of replacing."""
-  if not _is_main():
-    return
-
-  def fn(m):
-    seq = m.get("seq")
-    m.clear()
-    m.update(manifest)
-    if seq is not None:
-      m["seq"] = seq
-
-  Manifest(out_dir).transact(fn)
-
-
-def merge_plan(out_dir: str | os.PathLike, planned: dict) -> None:
-  """Put a plan (:func:`plan`) into the manifest without undoing what other workers wrote
-  since it was read: new runs are added, the sweep's fields updated, a failed run whose
-  directory was deleted is made pending again; every other run's entry is kept as it is."""
-  if not _is_main():
-    return
-
-  def fn(m):
-    for k, v in planned.items():
-      if k != "runs":
-        m[k] = v
-    runs = m.setdefault("runs", {})
-    for name, info in planned["runs"].items():
-      cur = runs.get(name)
-      if cur is None:
-        runs[name] = dict(info)
-      elif cur.get("status") == "failed" and info.get("status") == "pending":
-        cur["status"] = "pending"
-        cur.pop("error", None)
-
-  Manifest(out_dir).transact(fn)
+def write_manifest(out_dir, manifest: dict) -> None:
+  """Replace ``out_dir/manifest.json`` (atomically; process 0 only)."""
+  if dist.is_main():
+    storage.write_json_atomic(storage.path(out_dir) / "manifest.json", manifest)
 
 
 def _same(a, b) -> bool:
   return json.dumps(a, sort_keys=True, default=str) == json.dumps(b, sort_keys=True, default=str)
 
 
-def _check_compatible(old: dict, sweep: grid.Sweep, out_dir: Path) -> None:
+def _check_compatible(old: dict, sweep: grid.Sweep, out_dir) -> None:
   """ConfigError naming the first key where `sweep` differs from the one that made `out_dir`."""
   where = (
     f"since {out_dir} was made; its runs would mix configs. Use another --out, or undo the change"
@@ -170,46 +142,34 @@ def _check_compatible(old: dict, sweep: grid.Sweep, out_dir: Path) -> None:
         f"base config or --set) {where}"
       )
   for r in sweep.runs:
-    info = old["runs"].get(r.name)
+    info = old.get("runs", {}).get(r.name)
     if info is not None and not _same(info.get("overrides"), r.overrides):
       raise ConfigError(f"axes: run {r.name} had overrides {info.get('overrides')} {where}")
 
 
-def plan(sweep: grid.Sweep, out_dir: str | os.PathLike) -> tuple[dict, list[str], list[str]]:
+def plan(sweep: grid.Sweep, out_dir) -> tuple[dict, list[str], list[str]]:
   """(manifest, names of the runs to train in grid order, notes) for `sweep` in `out_dir`.
-
-  Reads the existing manifest (if any) and checks it against the sweep; writes nothing.
-  """
-  out_dir = Path(out_dir)
+  Reads the existing manifest (checked against the sweep) and every run's summary; writes
+  nothing."""
+  out_dir = storage.path(out_dir)
   old = read_manifest(out_dir)
-  notes = []
   if old is not None:
     _check_compatible(old, sweep, out_dir)
-  runs = {}
-  for r in sweep.runs:
-    prev = (old or {}).get("runs", {}).get(r.name)
-    runs[r.name] = (
-      dict(prev)
-      if prev
-      else {"status": "pending", "overrides": r.overrides, "dir": f"runs/{r.name}"}
-    )
+  runs = {r.name: {"overrides": r.overrides, "dir": f"runs/{r.name}"} for r in sweep.runs}
+  notes = []
   if old is not None:
-    new = [r.name for r in sweep.runs if r.name not in old["runs"]]
+    new = [n for n in runs if n not in old.get("runs", {})]
     if new:
       notes.append(f"adding {len(new)} new run(s): {', '.join(new)}")
-    gone = [n for n in old["runs"] if n not in runs]
+    gone = [n for n in old.get("runs", {}) if n not in runs]
     if gone:
       notes.append(f"{len(gone)} run(s) no longer in the sweep file are kept: {', '.join(gone)}")
     for n in gone:
-      runs[n] = old["runs"][n]
-  todo = []
-  for r in sweep.runs:
-    info = runs[r.name]
-    if info["status"] == "failed" and not (out_dir / info["dir"]).exists():
-      info.update(status="pending")
-      info.pop("error", None)
-    if info["status"] not in ("done", "failed"):
-      todo.append(r.name)
+      runs[n] = {k: old["runs"][n][k] for k in ("overrides", "dir") if k in old["runs"][n]}
+  for name, info in runs.items():
+    info["status"], error = run_status(out_dir / info.get("dir", f"runs/{name}"))
+    if error:
+      info["error"] = error
   manifest = {
     "name": sweep.name,
     "sweep_file": str(sweep.path) if sweep.path else None,
@@ -220,164 +180,369 @@ def plan(sweep: grid.Sweep, out_dir: str | os.PathLike) -> tuple[dict, list[str]
     "base_config": sweep.base_config,
     "runs": runs,
   }
-  return manifest, todo, notes
+  return manifest, [r.name for r in sweep.runs if runs[r.name]["status"] == "pending"], notes
 
 
 # ------------------------------------------------------------------------------------------
-# Running.
+# One unit (a run, or a population): here, or as a submitit job.
 
 
-def _say(msg: str) -> None:
-  if _is_main():
-    print(msg, flush=True)
+@contextlib.contextmanager
+def _locked(run_dirs: list, say=print):
+  """Hold every run directory's lock (process 0), waiting while another trainer has one."""
+  with contextlib.ExitStack() as stack:
+    if dist.is_main():
+      for d in run_dirs:
+        told = False
+        while True:
+          try:
+            stack.enter_context(rundir.Lock(d))
+            break
+          except RunLocked as e:
+            if not told:
+              say(f"waiting: {e}")
+              told = True
+            time.sleep(5.0)
+    yield
 
 
-def _broadcast(values: list[int]) -> list[int]:
-  """Process 0's `values` on every process (multi-process sweeps decide on process 0)."""
-  import jax
+def train_unit(setups: dict, run_dirs: dict, progress: bool = False, say=print) -> None:
+  """Train the unfinished runs among `setups` (``{name: train.loop.Setup}``) into `run_dirs`
+  (``{name: path}``), as one population when there are several. A run directory without a
+  checkpoint is emptied first, so nothing of an earlier attempt remains; a halted run, or one
+  whose training raised, says so in its summary.json."""
+  from mhc_jax.sweep import population
+  from mhc_jax.train.loop import train
 
-  if jax.process_count() == 1:
-    return values
-  import numpy as np
-  from jax.experimental import multihost_utils
+  dirs = {n: storage.path(d) for n, d in run_dirs.items()}
+  with _locked(list(dirs.values()), say):
+    live = [n for n in setups if run_status(dirs[n])[0] == "pending"]  # another may have ended it
+    fresh = [n for n in live if not rundir.checkpoint_steps(dirs[n])]
+    dist.sync("sweep: run directories read")
+    for n in fresh:
+      if dist.is_main() and dirs[n].exists():
+        for p in dirs[n].iterdir():
+          if p.name != rundir.LOCK_NAME:
+            p.rmtree() if p.is_dir() else p.unlink()
+    dist.sync("sweep: run directories cleared")
+    for n in live:  # the jobs' logs count these
+      say(f"{n}: training from step {max(rundir.checkpoint_steps(dirs[n]), default=0)}")
+    if len(live) == 1:
+      (n,) = live
+      try:
+        train(setups[n], dirs[n], resume=n not in fresh, progress=progress)
+      except RunHalted:
+        pass  # summary.json says halted
+    elif live:
+      population.train_population(
+        [setups[n] for n in live], [dirs[n] for n in live], True, progress
+      )
 
-  return [int(x) for x in multihost_utils.broadcast_one_to_all(np.asarray(values, np.int64))]
+
+class Unit:
+  """A submitit job: one unit of a sweep, from the runs' resolved configs (picklable; imports
+  nothing heavy until called). Returns ``{name: sweep status}``.
+
+  ``checkpoint()`` is submitit's requeue hook (SIGUSR2, ahead of a time limit or preemption):
+  SIGUSR2 becomes the SIGTERM on which the training loop saves a checkpoint, then the job asks
+  submitit to requeue it (SLURM: ``scontrol requeue``; local: exit code 144) and its next life
+  resumes from that checkpoint."""
+
+  def __init__(self, configs: dict, run_dirs: dict):
+    self.configs, self.run_dirs = configs, {n: os.fspath(d) for n, d in run_dirs.items()}
+
+  def setups(self) -> dict:
+    from mhc_jax.train.config import from_dict
+    from mhc_jax.train.loop import prepare
+
+    return {n: prepare(from_dict(c)) for n, c in self.configs.items()}
+
+  def __call__(self) -> dict:
+    submitit_usr2 = signal.getsignal(signal.SIGUSR2)
+    asked = []
+    signal.signal(signal.SIGUSR2, lambda *_: (asked.append(1), os.kill(os.getpid(), 15)))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which sends SIGTERM
+    try:
+      train_unit(self.setups(), self.run_dirs)
+    except Preempted:
+      if asked and callable(submitit_usr2):
+        signal.signal(signal.SIGUSR2, submitit_usr2)
+        submitit_usr2(signal.SIGUSR2, None)  # checkpoint() + requeue; does not return
+      raise
+    return {n: run_status(d)[0] for n, d in self.run_dirs.items()}
+
+  def checkpoint(self, *args, **kwargs):
+    import submitit
+
+    return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
-def _next_unit(m: dict | None, me: Worker, units: list[list[str]]) -> tuple[int, int]:
-  """(index, action) of the next unit: action 0 drop it (all finished), 1 train it; (-1, 2)
-  when every remaining unit is held by another worker."""
-  runs = (m or {}).get("runs", {})
-  now = time.time()
-  for i, unit in enumerate(units):
-    states = [claim_state(runs.get(n, {}), me, now) for n in unit]
-    if all(s == "finished" for s in states):
-      return i, 0
-    if any(s == "held" for s in states):
-      continue
-    return i, 1
-  return -1, 2
+# ------------------------------------------------------------------------------------------
+# Running a sweep.
+
+
+def _said(run_dir) -> str:
+  """What a unit's run is about to do: start, or resume from its newest checkpoint."""
+  step = max(rundir.checkpoint_steps(run_dir), default=0)
+  return f"resuming from step {step}" if step else "starting"
+
+
+def _result(run_dir, wall: float) -> str:
+  s = rundir.read_summary(run_dir)
+  status, error = run_status(run_dir)
+  loss = s.get("final_loss")
+  tail = f" (final loss {loss:.4f})" if isinstance(loss, float) and status == "done" else ""
+  return f"{status if status != 'pending' else 'stopped'} in {wall:.1f}s{tail}" + (
+    f": {error}" if error else ""
+  )
+
+
+def _fail(run_dir, error: str) -> None:
+  """A unit whose job died without a summary: its runs' summary.json say failed, and why."""
+  if run_status(run_dir)[0] == "pending":
+    rundir.write_summary(
+      run_dir, {**rundir.read_summary(run_dir), "status": "failed", "message": error}
+    )
+
+
+def _job_error(job, e: Exception) -> str:
+  text = [line.strip() for line in str(e).splitlines() if line.strip()]
+  try:
+    log = [line.strip() for line in job.stdout().splitlines() if line.strip()][-3:]
+  except Exception:  # noqa: BLE001 - no log
+    log = []
+  return f"job {job.job_id} failed: {text[-1] if text else type(e).__name__}" + (
+    f"; log {job.paths.stdout}: {' | '.join(log)}" if log else ""
+  )
+
+
+def _gpu_ids() -> list[int]:
+  raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if raw is not None:
+    return [int(g) for g in raw.split(",") if g.strip().isdigit()]
+  smi = shutil.which("nvidia-smi")
+  if not smi:
+    return []
+  import subprocess
+
+  out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
+  return [i for i, _ in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+
+
+def devices_per_job(k: int, kind: str, params: dict) -> tuple[int, list[list[int]]]:
+  """(devices one job's mesh spans, the GPU ids of each of the `k` local job slots)."""
+  if kind == "slurm":
+    return int(params.get("gpus_per_node") or params.get("slurm_gpus_per_node") or 1), []
+  gpus = _gpu_ids() if os.environ.get("JAX_PLATFORMS", "") in ("", "cuda", "gpu") else []
+  if gpus:
+    per = len(gpus) // k
+    if per == 0:
+      raise ConfigError(
+        f"--parallel: {k} runs at once need at least {k} GPUs; this host has {len(gpus)}"
+      )
+    return per, [gpus[i * per : (i + 1) * per] for i in range(k)]
+  import re
+
+  m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+  return (int(m.group(1)) if m else 1), [[] for _ in range(k)]
+
+
+def check_runs(sweep: grid.Sweep, n_devices: int) -> None:
+  """What ``train.loop.prepare`` checks, for a job with `n_devices` devices, without touching a
+  device here (the jobs get them): data source options, vocabulary, the mesh. ConfigError
+  naming the run (and the axis at fault)."""
+  from mhc_jax import data
+  from mhc_jax.train.config import validate_mesh, with_data_vocab
+
+  for r in sweep.runs:
+    cfg = r.cfg
+    try:
+      try:
+        source = data.make_source(
+          cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
+        )
+      except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(f"data.options: {e}") from None
+      cfg = with_data_vocab(cfg, source.vocab_size)
+      if cfg.model.vocab < source.vocab_size:
+        raise ConfigError(
+          f"model.vocab: {cfg.model.vocab} is smaller than the data's vocabulary "
+          f"({source.vocab_size})"
+        )
+      if cfg.data.target == "posterior" and not source.has_posterior:
+        raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
+      validate_mesh(cfg.mesh, n_devices, cfg.data.batch_size)
+    except ConfigError as e:
+      key = str(e).split(":", 1)[0].strip()
+      axis = next((a for a in r.overrides if key == a or key.startswith(a + ".")), None)
+      where = (
+        f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis else f"run {r.name}"
+      )
+      raise ConfigError(
+        f"{where}: {e} (each of the parallel jobs has {n_devices} device(s))"
+      ) from None
+
+
+def _executor(out_dir, kind: str, params: dict):
+  submitit = how.import_submitit()
+  folder = os.fspath(out_dir / "submitit" / "%j")
+  params = dict(params)
+  if kind == "local":
+    ex = submitit.LocalExecutor(folder=folder, max_num_timeout=100)
+    params.setdefault("timeout_min", 7 * 24 * 60)
+  else:
+    ex = submitit.AutoExecutor(folder=folder, cluster="slurm", slurm_max_num_timeout=100)
+    extra = dict(params.pop("slurm_additional_parameters", None) or {})
+    params["slurm_additional_parameters"] = {"requeue": True, **extra}
+    params.setdefault("name", f"mhc-sweep-{out_dir.name}")
+  ex.update_parameters(**params)
+  return ex
+
+
+def _run_jobs(sweep, out_dir, units, k, kind, params, say, progress) -> bool:
+  """Submit `units` as submitit jobs, at most `k` at a time (all at once without it), the
+  finished ones counted under tqdm; False when a signal stopped the sweep."""
+  from tqdm.auto import tqdm
+
+  ex = _executor(out_dir, kind, params)
+  k = k or len(units)
+  _, slots = devices_per_job(k, kind, params)
+  queue, active, free, stop = list(units), {}, list(range(k)), []
+  handlers = {s: signal.signal(s, lambda n, f: stop.append(n)) for s in (2, 15)}
+  bar = tqdm(
+    total=sum(map(len, units)), unit="run", desc=f"sweep {sweep.name}", disable=not progress
+  )
+  told = False
+  try:
+    while queue or active:
+      while queue and free and not stop:
+        unit, slot = queue.pop(0), free.pop(0)
+        dirs = {n: out_dir / "runs" / n for n in unit}
+        for n in unit:
+          say(n, _said(dirs[n]) + (f" (population of {len(unit)})" if len(unit) > 1 else ""))
+        if slots and slots[slot]:
+          ex.update_parameters(visible_gpus=slots[slot], gpus_per_node=len(slots[slot]))
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C reaches only us
+        try:
+          job = ex.submit(Unit({n: _config(sweep, n) for n in unit}, dirs))
+        finally:
+          signal.signal(signal.SIGINT, old)
+        active[job] = (unit, slot, time.time())
+      if stop and kind == "slurm":
+        say(None, "stopping; the SLURM jobs keep running: run the same command to watch them")
+        return False
+      if stop and not told:  # LocalExecutor's controller passes SIGTERM on: checkpoint, stop
+        told = True
+        for job in active:
+          with contextlib.suppress(OSError, AttributeError):
+            job._process.send_signal(signal.SIGTERM)
+      for job in [j for j in active if j.done()]:
+        unit, slot, t0 = active.pop(job)
+        free.append(slot)
+        try:
+          job.result()
+        except Exception as e:  # noqa: BLE001 - a crashed or killed job fails its runs only
+          if not stop:
+            for n in unit:
+              _fail(out_dir / "runs" / n, _job_error(job, e))
+        for n in unit:
+          say(n, _result(out_dir / "runs" / n, time.time() - t0), bar.write)
+        bar.update(len(unit))
+      time.sleep(0.5)
+  finally:
+    for s, h in handlers.items():
+      signal.signal(s, h)
+    bar.close()
+  return not stop
+
+
+def _config(sweep: grid.Sweep, name: str) -> dict:
+  from mhc_jax.train.config import to_dict
+
+  d = to_dict(sweep.run(name).cfg)
+  d.pop("dist", None)  # a job is one process
+  return d
 
 
 def run_sweep(
   sweep: grid.Sweep,
   setups: dict | None,
-  out_dir: str | os.PathLike,
+  out_dir,
   *,
   progress: bool = True,
   parallel: int | None = None,
   executor: str | None = None,
   executor_params: dict | None = None,
 ) -> int:
-  """Train every unfinished run of `sweep` into `out_dir`, then write the report.
-
-  With `parallel` or `executor`, runs train in worker processes (mhc_jax.sweep.executor) and
-  `setups` is not needed; otherwise they train here, one unit after another.
-  """
-  from mhc_jax.sweep.progress import SweepProgress
-  from mhc_jax.sweep.worker import train_claimed
-
-  out_dir = Path(out_dir)
+  """Train every unfinished run of `sweep` into `out_dir`, then write the report. With
+  `executor` (``local`` | ``slurm``) units are submitit jobs, up to `parallel` at once, and
+  `setups` is not needed; otherwise they train here, one after another."""
+  out_dir = storage.path(out_dir)
   manifest, todo, notes = plan(sweep, out_dir)
   runs = manifest["runs"]
-  n_total = len(sweep.runs)
-  counts = {
-    s: sum(1 for r in sweep.runs if runs[r.name]["status"] == s) for s in ("done", "failed")
-  }
+  counts = {s: sum(runs[r.name]["status"] == s for r in sweep.runs) for s in ("done", "failed")}
   for note in notes:
     _say(f"note: {note}")
   if not todo:
     _say(
-      f"sweep {sweep.name}: all {n_total} runs are finished ({counts['done']} done, "
+      f"sweep {sweep.name}: all {len(sweep.runs)} runs are finished ({counts['done']} done, "
       f"{counts['failed']} failed); nothing to do in {out_dir}"
     )
     index = out_dir / "report" / "index.html"
     evals = sweep.options.get("eval")
-    if _is_main() and (not index.exists() or (evals and posteval.pending(out_dir, manifest))):
-      _finish(out_dir, evals)
-    elif _is_main():
+    if dist.is_main() and (not index.exists() or (evals and posteval.pending(out_dir, manifest))):
+      return _finish(out_dir, manifest, evals)
+    if dist.is_main():
       _print_table(out_dir)
       print(f"report: {index}")
-    return EXIT_FAILED if counts["failed"] else 0
-  if _is_main():
-    out_dir.mkdir(parents=True, exist_ok=True)
-  merge_plan(out_dir, manifest)
-  parallel_mode = parallel is not None or executor not in (None, "process")
-  how = ""
-  if parallel_mode:
-    how = f" with {executor or 'process'} workers, " + (
-      f"up to {parallel} at once" if parallel else "all submitted at once"
-    )
+    return EXIT_FAILED if counts["failed"] else EXIT_OK
+  how_ = f" as {executor} jobs, " + (f"up to {parallel} at once" if parallel else "all at once")
   _say(
-    f"sweep {sweep.name}: {n_total} runs ({counts['done']} done, {counts['failed']} failed, "
-    f"{len(todo)} to run) in {out_dir}{how}"
-  )
-  if parallel_mode:
-    from mhc_jax.sweep import executor as ex
-
-    rc = ex.run_parallel(
-      sweep,
-      out_dir,
-      [[r.name for r in g] for g in grid.population_groups(sweep, todo)],
-      parallel,
-      executor or "process",
-      executor_params or {},
-      progress=progress,
-    )
-    if rc == EXIT_PREEMPTED:
-      _say(f"sweep {sweep.name}: stopped; re-run the same command to continue")
-      return EXIT_PREEMPTED
-    return _finish(out_dir, sweep.options.get("eval"))
-
-  mfst = Manifest(out_dir)
-  me = Worker.current()
-  order = {name: i + 1 for i, name in enumerate(todo)}
-  bar = SweepProgress(
-    sweep.name,
-    out_dir,
-    {r.name: r.cfg.train.steps for r in sweep.runs},
-    1,
-    enabled=progress and _is_main(),
-    tty=False,
+    f"sweep {sweep.name}: {len(sweep.runs)} runs ({counts['done']} done, {counts['failed']} "
+    f"failed, {len(todo)} to run) in {out_dir}{how_ if executor else ''}"
   )
   units = [[r.name for r in g] for g in grid.population_groups(sweep, todo)]
-  waiting = False
+  order = {n: i + 1 for i, n in enumerate(todo)}
 
-  def say(name, msg):
-    _say(f"[{order[name]}/{len(todo)}] {name}: {msg}")
+  def say(name, msg, write=_say):
+    write(f"[{order[name]}/{len(todo)}] {name}: {msg}" if name else f"sweep {sweep.name}: {msg}")
 
-  while units:
-    i, action = _broadcast(list(_next_unit(mfst.read() if _is_main() else None, me, units)))
-    if action == 2:
-      if not waiting:
-        held = [n for u in units for n in u]
-        _say(
-          f"sweep {sweep.name}: waiting for {len(held)} run(s) that other workers hold: "
-          f"{', '.join(held)}"
-        )
-        waiting = True
-      time.sleep(min(5.0, lease_seconds() / 6))
-      continue
-    waiting = False
-    unit = units.pop(i)
-    if action == 0:
-      continue
-    claimed = mfst.claim(unit, me)[0] if _is_main() else []
-    mask = _broadcast([int(n in claimed) for n in unit])
-    claimed = [n for n, c in zip(unit, mask) if c]
-    if not claimed:  # taken by another worker between the look and the claim
-      units.insert(i, unit)
-      continue
-    out = train_claimed(mfst, me, out_dir, claimed, setups, progress=progress, say=say)
-    if out["preempted"]:
-      _say(f"sweep {sweep.name}: {out.get('message')}; re-run the same command to continue")
+  for n in todo:
+    runs[n]["status"] = "running" if executor else "pending"
+  write_manifest(out_dir, manifest)
+  if executor:
+    out_dir = storage.path(os.path.abspath(out_dir)) if storage.is_local(out_dir) else out_dir
+    if not _run_jobs(
+      sweep, out_dir, units, parallel, executor, executor_params or {}, say, progress
+    ):
+      _say(f"sweep {sweep.name}: stopped; re-run the same command to continue")
       return EXIT_PREEMPTED
-    if _is_main():
-      bar.update(mfst.read(), force=True)
-  return _finish(out_dir, sweep.options.get("eval"))
+    return _finish(out_dir, plan(sweep, out_dir)[0], sweep.options.get("eval"))
+  for unit in units:
+    dirs = {n: out_dir / runs[n]["dir"] for n in unit}
+    for n in unit:
+      runs[n]["status"] = "running"
+      say(n, _said(dirs[n]) + (f" (population of {len(unit)})" if len(unit) > 1 else ""))
+    write_manifest(out_dir, manifest)
+    t0 = time.time()
+    try:
+      train_unit({n: setups[n] for n in unit}, dirs, progress, lambda m: None)
+    except Preempted as e:
+      _say(f"sweep {sweep.name}: {e}; re-run the same command to continue")
+      return EXIT_PREEMPTED
+    except Exception:  # noqa: BLE001 - a failed run must not stop the sweep (its summary says)
+      if dist.is_main():
+        traceback.print_exc()
+    for n in unit:
+      runs[n]["status"], error = run_status(dirs[n])
+      if error:
+        runs[n]["error"] = error
+      say(n, _result(dirs[n], time.time() - t0))
+    write_manifest(out_dir, manifest)
+  return _finish(out_dir, manifest, sweep.options.get("eval"))
 
 
-def _print_table(out_dir: Path) -> None:
+def _print_table(out_dir) -> None:
   from mhc_jax.sweep import report
 
   table = report.summary_table(out_dir)
@@ -387,42 +552,37 @@ def _print_table(out_dir: Path) -> None:
   print(report.finding(table))
 
 
-def _finish(out_dir: Path, evals: int | None = None) -> int:
-  """Evaluate the finished runs (the sweep's ``eval: N``), write the report, print the summary
-  table and the page's path (process 0)."""
-  if not _is_main():
-    return 0
+def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
+  """Write the manifest as the summaries say, evaluate the finished runs (the sweep's
+  ``eval: N``), write the report, print the summary table and the page's path (process 0)."""
+  if not dist.is_main():
+    return EXIT_OK
   from mhc_jax.sweep import report
 
+  write_manifest(out_dir, manifest)
   if evals:
-    posteval.evaluate_runs(out_dir, read_manifest(out_dir) or {"runs": {}}, evals, _say)
-
-  with Manifest(out_dir).report_lock():  # other sweep commands on this directory may finish now
-    paths = report.write_report(out_dir)
+    posteval.evaluate_runs(out_dir, manifest, evals, _say)
+  paths = report.write_report(out_dir)
   _print_table(out_dir)
   print(f"report: {paths['index_html']}", flush=True)
-  m = read_manifest(out_dir) or {"runs": {}}
-  failed = [n for n, i in m["runs"].items() if i.get("status") == "failed"]
+  failed = [n for n, i in manifest["runs"].items() if i["status"] == "failed"]
   if failed:
     print(f"{len(failed)} run(s) failed: {', '.join(failed)} (errors in manifest.json)")
-  open_runs = [n for n, i in m["runs"].items() if i.get("status") not in ("done", "failed")]
+  open_runs = [n for n, i in manifest["runs"].items() if i["status"] not in ("done", "failed")]
   if open_runs:
-    print(
-      f"{len(open_runs)} run(s) not finished: {', '.join(open_runs)} (other workers hold "
-      f"them or gave them back; run the same command again to finish them)"
-    )
-  return EXIT_FAILED if failed else 0
+    print(f"{len(open_runs)} run(s) not finished: {', '.join(open_runs)} (run the command again)")
+  return EXIT_FAILED if failed else EXIT_OK
 
 
 # ------------------------------------------------------------------------------------------
 # The command.
 
 
-def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir: Path) -> None:
+def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir) -> None:
   table = grid.dry_run_table(sweep, setups)
-  old = read_manifest(out_dir) if (out_dir / "manifest.json").exists() else None
-  if old is not None:
-    table.insert(1, "status", [old["runs"].get(n, {}).get("status", "new") for n in table["run"]])
+  if read_manifest(out_dir) is not None:
+    runs = plan(sweep, out_dir)[0]["runs"]
+    table.insert(1, "status", [runs.get(n, {}).get("status", "new") for n in table["run"]])
   show = table.copy()
   show["train_flops"] = [grid.format_flops(x) for x in table["train_flops"]]
   print(
@@ -440,54 +600,46 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir: Path) -> None:
 def main(args) -> int:
   """``mhc-jax sweep`` (args: sweep_file, out, set, dry_run, quiet, parallel, executor, dist
   flags)."""
-  from mhc_jax.sweep import executor as ex, options as how
-
-  raw_parallel = getattr(args, "parallel", None)
-  parallel = how.parse_parallel(raw_parallel) if raw_parallel is not None else None
+  parallel = how.parse_parallel(args.parallel) if getattr(args, "parallel", None) else None
   sweep = grid.load_sweep(args.sweep_file, getattr(args, "set", None) or [])
-  if parallel is None:
-    parallel = sweep.options.get("parallel")
-  kind, params = how.executor_options(
-    sweep.options.get("executor"), getattr(args, "executor", None)
-  )
-  parallel_mode = parallel is not None or kind != "process"
-  out_dir = Path(args.out) if args.out else Path("sweeps_out") / sweep.name
+  parallel = parallel or sweep.options.get("parallel")
+  raw = sweep.options.get("executor")
+  kind, params = how.executor_options(raw, getattr(args, "executor", None))
+  jobs = parallel is not None or raw is not None or getattr(args, "executor", None) is not None
+  out_dir = storage.path(args.out or os.path.join("sweeps_out", sweep.name))
   if out_dir.exists() and not out_dir.is_dir():
     raise ConfigError(f"--out: {out_dir} is not a directory")
-  if parallel_mode and not args.dry_run:
-    flags = [
-      f
-      for f in ("coordinator", "num_processes", "process_id")
-      if getattr(args, f, None) is not None
-    ]
-    if flags:
+  if jobs and not args.dry_run:
+    flag = next(
+      (
+        f
+        for f in ("coordinator", "num_processes", "process_id")
+        if getattr(args, f, None) is not None
+      ),
+      None,
+    )
+    if flag:
       raise ConfigError(
-        f"--{flags[0].replace('_', '-')}: a parallel sweep trains each run in "
-        f"its own single-process worker; multi-process flags are for a "
-        f"sequential sweep (leave out --parallel / --executor)"
+        f"--{flag.replace('_', '-')}: a parallel sweep trains each run in its own single-process "
+        f"job; multi-process flags are for a sequential sweep (leave out --parallel / --executor)"
       )
     if kind == "slurm" and shutil.which("sbatch") is None:
       raise ConfigError("--executor slurm: sbatch not found; run the sweep on a SLURM login node")
-    if kind == "slurm":
-      n_devices = int(params.get("gpus_per_node") or params.get("slurm_gpus_per_node") or 1)
-    else:
-      n_devices = ex.make_slots(parallel or 1)[0].n_devices
-    ex.check_runs(sweep, n_devices)  # the parent touches no device: workers get them
+    check_runs(sweep, devices_per_job(parallel or 1, kind, params)[0])  # no device touched here
+    k = parallel or (None if kind == "slurm" else 1)
     return run_sweep(
       sweep,
       None,
       out_dir,
-      progress=not getattr(args, "quiet", False),
-      parallel=parallel or (None if kind == "slurm" else 1),
+      progress=not args.quiet,
+      parallel=k,
       executor=kind,
       executor_params=params,
     )
   if not args.dry_run:
     import dataclasses
 
-    from mhc_jax.train.dist import init_distributed
-
-    cfg = init_distributed(sweep.runs[0].cfg, args)
+    cfg = dist.init_distributed(sweep.runs[0].cfg, args)
     if cfg.dist != sweep.runs[0].cfg.dist:
       sweep.runs = [
         dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, dist=cfg.dist)) for r in sweep.runs
@@ -495,5 +647,5 @@ def main(args) -> int:
   setups = grid.prepare_runs(sweep)
   if args.dry_run:
     print_dry_run(sweep, setups, out_dir)
-    return 0
+    return EXIT_OK
   return run_sweep(sweep, setups, out_dir, progress=not getattr(args, "quiet", False))
