@@ -1,12 +1,11 @@
 """Parallel sweep vs sequential sweep: wall time of the same 4-run sweep, one run at a time
-(``mhc-jax sweep FILE``) and with ``--parallel 2`` (each run in its own worker process), and a
+(``mhc-jax sweep FILE``) and with ``--parallel 2`` (each run a submitit LocalExecutor job), and a
 check that every run logged the same numbers both ways.
 
     .venv/bin/python benchmarks/parallel_sweep_bench.py            # 4 runs, --parallel 2
     .venv/bin/python benchmarks/parallel_sweep_bench.py --steps 100 --repeat 2
     .venv/bin/python benchmarks/parallel_sweep_bench.py --base configs/debug.yaml --steps 3000 \
         --set train.log_every=10 train.diag_every=0 mesh.data=1     # a tinier model
-    MHC_SWEEP_PIN_CPUS=1 .venv/bin/python benchmarks/parallel_sweep_bench.py   # pin workers to cores
 
 The sweep: configs/quickstart.yaml (depth 2, width 32, bijection V=8) with
 ``model.mixer`` in residual, hc, mhc, mhc_lite, ``--steps`` steps each (default 2000), on the
@@ -15,8 +14,8 @@ own fresh directory, so both pay the same compiles.
 
 What to expect on 2 cores: a run is XLA compilation (~15 s here, which already keeps ~1.5
 cores busy) and then steps (~10 ms each, one core: Python dispatch of small ops). A
-sequential sweep leaves the second core idle while stepping, which two workers fill; while
-compiling there is little to gain, and every worker pays its own Python + JAX start (~3 s of
+sequential sweep leaves the second core idle while stepping, which two jobs fill; while
+compiling there is little to gain, and every job pays its own Python + JAX start (~3 s of
 CPU). So short, compile-bound runs gain little (``--steps 100``: ~0.9-1.0) and the gain grows
 with the steps (2000 steps: ~0.6-0.75, depending on the load).
 
@@ -111,8 +110,7 @@ def main() -> None:
   if not Path(mhc).exists():
     mhc = shutil.which("mhc-jax") or mhc
   print(
-    f"{os.cpu_count()} CPUs; {len(MIXERS)} runs of {args.steps} steps; "
-    f"MHC_SWEEP_PIN_CPUS={os.environ.get('MHC_SWEEP_PIN_CPUS', '0')}",
+    f"{os.cpu_count()} CPUs; {len(MIXERS)} runs of {args.steps} steps",
     flush=True,
   )
   seq_t, par_t, differ = [], [], set()
