@@ -592,7 +592,285 @@ def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
     out["qk_alignment"] = {"skipped": "HMM filtering has no single target position to retrieve"}
     out["pca_entropy"] = pca_probe(it["stream"], sup, entropy, old_positions=sup)
     out["pca_entropy"]["positions"] = "all supervised positions"
+  out["paper"] = {
+    "key_orthogonality": key_orthogonality_paper(cfg, source, params),
+    "qk_alignment": qk_alignment_paper(cfg, source, it, hb),
+    "value_manifold": value_manifold_paper(cfg, source, it, hb, entropy),
+  }
   return out
+
+
+# ------------------------------------------------------------------ the papers' definitions
+
+PAPER_PERMUTATIONS = 1000  # permutation draws of each shuffled-label null
+PAPER_FIGURE_POINTS = 1500  # value-PCA points stored in eval.json for the figures
+
+PAPER_DEFINITIONS = {
+  "token_key_orthogonality": "Paper I (arXiv:2512.22471; authors' qkv_analysis.py "
+  "orthogonality): keys of the hypothesis tokens' embeddings alone through each layer's "
+  "pre-attention norm and key projection, per head, mean |cos| between tokens, uncentred; null: "
+  "as many random directions in the head dimension",
+  "weight_key_orthogonality": "Paper III (arXiv:2512.23752, Sec. 4.2): mean |cos| between the "
+  "columns of each head's W_K; null: as many random directions in the model dimension",
+  "qk_alignment": "Paper I (authors' qkv_analysis.py qk-align): cosine (pre-RoPE, per head, "
+  "mean over heads) between the query at each supervised position and the keys at the earlier "
+  "positions of the same kind, per layer; per query its mean over those keys ('mean') and, where "
+  "the query's symbol occurred before, the key of that occurrence minus the mean of the others "
+  "('contrast'); slope against evidence vs the evidence labels permuted",
+  "value_manifold": "Paper III (Sec. 4.2): last-layer value vectors (heads concatenated) at "
+  "the supervised positions, each coordinate standardised, PCA; PC1's variance share and its "
+  "correlation with the posterior entropy vs the entropy labels permuted",
+  "frame_precision": "Paper I: attention patterns (frame) settle before the value manifold "
+  "(precision); settling step = where each series has covered 90% of its change for good",
+}
+
+
+def attention_params(params, depth: int) -> dict:
+  """``embedding [V, C]`` and per layer ``key [L, C, H, D]`` (key kernels), ``norm [L, C]``
+  (the pre-attention RMSNorm scale; None for a post-norm mixer) and ``k_norm [L, D]`` (qk-norm
+  scale or None), scanned or not."""
+  import jax
+
+  p = jax.device_get(params)
+  p = p.get("params", p)
+  if "blocks" in p:
+    blocks = [jax.tree.map(lambda a, l=l: np.asarray(a[l]), p["blocks"]) for l in range(depth)]
+  else:
+    blocks = [jax.tree.map(np.asarray, p[f"block_{l}"]) for l in range(depth)]
+
+  def stack(get):
+    vals = [get(b) for b in blocks]
+    return None if vals[0] is None else np.stack(vals)
+
+  return {
+    "embedding": np.asarray(p["embedding"], np.float64),
+    "key": stack(lambda b: b["attn"]["key"]["kernel"]),
+    "norm": stack(lambda b: b["attn_norm"]["scale"] if "attn_norm" in b else None),
+    "k_norm": stack(lambda b: b["attn"]["k_norm"]["scale"] if "k_norm" in b["attn"] else None),
+  }
+
+
+def _rms_normed(x: np.ndarray, scale) -> np.ndarray:
+  y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+  return y if scale is None else y * scale
+
+
+def token_keys(ap: dict, tokens) -> np.ndarray:
+  """The key ``[L, V, H, D]`` each token in ``tokens`` gets from its embedding alone at each
+  layer (pre-attention norm, key projection, qk-norm; no position, no context)."""
+  e = ap["embedding"][np.asarray(tokens)]
+  out = []
+  for l in range(ap["key"].shape[0]):
+    x = e if ap["norm"] is None else _rms_normed(e, ap["norm"][l])
+    k = np.einsum("vc,chd->vhd", x, ap["key"][l])
+    if ap["k_norm"] is not None:
+      k = _rms_normed(k, ap["k_norm"][l])
+    out.append(k)
+  return np.stack(out)
+
+
+def hypothesis_tokens(cfg, source) -> tuple[np.ndarray, str]:
+  """The tokens whose keys Paper I compares: bijection the V key symbols; HMM the content
+  tokens (observation symbols and header levels: hidden states have no token of their own)."""
+  if cfg.data.task == "bijection":
+    return np.arange(source.n_symbols), "the key symbols"
+  return np.arange(source.level_offset + source.n_levels), "observation symbols and levels"
+
+
+def key_orthogonality_paper(cfg, source, params) -> dict:
+  from mhc_jax import probes
+
+  ap = attention_params(params, cfg.model.depth)
+  toks, what = hypothesis_tokens(cfg, source)
+  keys = token_keys(ap, toks)
+  tok = [probes.token_key_orthogonality(keys[l]) for l in range(len(keys))]
+  wk = [probes.weight_key_orthogonality(ap["key"][l]) for l in range(len(keys))]
+  return {
+    "definition": PAPER_DEFINITIONS["token_key_orthogonality"],
+    "tokens": what,
+    "layer0": {k: tok[0][k] for k in tok[0] if k != "cos"},
+    "cos_layer0": tok[0]["cos"],
+    "mean_abs_cos_by_layer": [r["mean_abs_cos"] for r in tok],
+    "random_mean_abs_cos": tok[0]["random_mean_abs_cos"],
+    "ratio_to_random_by_layer": [r["ratio_to_random"] for r in tok],
+    "z_by_layer": [r["z"] for r in tok],
+    "weights": {
+      "definition": PAPER_DEFINITIONS["weight_key_orthogonality"],
+      "mean_abs_cos_by_layer": [r["mean_abs_cos"] for r in wk],
+      "random_mean_abs_cos": wk[0]["random_mean_abs_cos"],
+      "ratio_to_random_by_layer": [r["ratio_to_random"] for r in wk],
+    },
+  }
+
+
+def query_key_positions(cfg, source, inputs: np.ndarray, mask: np.ndarray):
+  """Per sequence position: whether it is a query (supervised) and whether it is a key position
+  of the same kind (bijection: key tokens; HMM: observations), ``[B, T]`` each, and for each
+  query the position of the latest earlier occurrence of the same token (-1 if none)."""
+  B, T = inputs.shape
+  if cfg.data.task == "bijection":
+    kind = (inputs < source.n_symbols) & (np.arange(T)[None] > 0)
+  else:
+    kind = (inputs < source.n_symbols) & (np.arange(T)[None] >= source.header_len)
+  query = (mask > 0) & kind
+  prev = np.full((B, T), -1, np.int64)
+  for b in range(B):
+    last: dict[int, int] = {}
+    for t in np.nonzero(kind[b])[0]:
+      tok = int(inputs[b, t])
+      if query[b, t] and tok in last:
+        prev[b, t] = last[tok]
+      last[tok] = t
+  return query, kind, prev
+
+
+def qk_alignment_paper(cfg, source, it: dict, hb: dict) -> dict:
+  """Paper I's q-k alignment per layer (PAPER_DEFINITIONS['qk_alignment'])."""
+  from mhc_jax import probes
+
+  inputs, mask = hb["inputs"], hb["mask"]
+  ev = hb["evidence"].astype(np.int64)
+  query, kind, prev = query_key_positions(cfg, source, inputs, mask)
+  T = inputs.shape[1]
+  earlier = kind[:, None, :] & (np.arange(T)[None, :, None] > np.arange(T)[None, None, :])
+  qb, qt = np.nonzero(query & (earlier.sum(-1) > 0))
+  if len(qb) < 3:
+    return {"skipped": "fewer than 3 queries with an earlier key position"}
+  e, pos = ev[qb, qt], qt
+  within = np.std(probes.partial_out(e.astype(np.float64), strata=pos)) > 1e-9
+  G = int(e.max()) + 1
+  layers = []
+  for l in range(it["q_pre"].shape[0]):
+    q, k = _unit(it["q_pre"][l]), _unit(it["k_pre"][l])  # [B,T,H,D]
+    cos = np.einsum("bthd,bshd->bts", q, k) / q.shape[2]  # mean over heads: [B,T,S]
+    m = earlier[qb, qt]  # [N, S]
+    c = cos[qb, qt]
+    mean = (c * m).sum(-1) / m.sum(-1)
+    rec = {
+      "mean": float(mean.mean()),
+      "mean_by_evidence": _group_mean(mean, e, G),
+      "slope": probes.evidence_slope(mean, e, permutations=PAPER_PERMUTATIONS),
+    }
+    if within:
+      rec["slope_within_position"] = probes.evidence_slope(
+        mean, e, strata=pos, permutations=PAPER_PERMUTATIONS
+      )
+    n = np.nonzero((prev[qb, qt] >= 0) & (m.sum(-1) >= 2))[0]
+    if len(n) >= 3:
+      matched = c[n, prev[qb[n], qt[n]]]
+      contrast = matched - ((c[n] * m[n]).sum(-1) - matched) / (m[n].sum(-1) - 1)
+      rec["contrast"] = float(contrast.mean())
+      rec["contrast_by_evidence"] = _group_mean(contrast, e[n], G)
+      rec["contrast_slope"] = probes.evidence_slope(contrast, e[n], permutations=PAPER_PERMUTATIONS)
+      if within:
+        rec["contrast_slope_within_position"] = probes.evidence_slope(
+          contrast, e[n], strata=pos[n], permutations=PAPER_PERMUTATIONS
+        )
+    layers.append(rec)
+  return {
+    "definition": PAPER_DEFINITIONS["qk_alignment"],
+    "queries": int(len(qb)),
+    "evidence_varies_within_position": bool(within),
+    "count_by_evidence": np.bincount(e, minlength=G),
+    "by_layer": layers,
+  }
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+  x = np.asarray(x, np.float64)
+  return x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def _group_mean(v: np.ndarray, g: np.ndarray, G: int) -> np.ndarray:
+  cnt = np.bincount(g, minlength=G).astype(np.float64)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    return np.where(cnt > 0, np.bincount(g, weights=v, minlength=G) / cnt, np.nan)
+
+
+def value_manifold_paper(cfg, source, it: dict, hb: dict, entropy, seed: int = 0) -> dict:
+  """Paper III's value manifold on the last layer (PAPER_DEFINITIONS['value_manifold']), with
+  controls: position partialled out, and on bijection new keys only (their entropy is not the
+  seen/unseen flag) with position partialled out."""
+  from mhc_jax import probes
+
+  mask = hb["mask"]
+  v = it["value"][-1].reshape(mask.shape + it["value"].shape[-2:])  # [B*T,H,D] -> [B,T,H,D]
+  bi, ti = np.nonzero(mask > 0)
+  X = v[bi, ti].reshape(len(bi), -1)
+  h = entropy[bi, ti]
+  r = probes.value_manifold(X, h, permutations=PAPER_PERMUTATIONS, seed=seed)
+  rng = np.random.default_rng(seed)
+  keep = np.sort(rng.choice(len(h), min(len(h), PAPER_FIGURE_POINTS), replace=False))
+  out = {
+    "definition": PAPER_DEFINITIONS["value_manifold"],
+    "layer": int(it["value"].shape[0] - 1),
+    **{k: r[k] for k in r if k != "projections"},
+    "figure": {"pc": r["projections"][keep], "entropy": h[keep], "position": ti[keep]},
+  }
+  controls = {}
+  drop = ("projections",)
+  if np.std(probes.partial_out(h, strata=ti)) > 1e-9:
+    w = probes.value_manifold(X, h, strata=ti, permutations=PAPER_PERMUTATIONS, seed=seed)
+    controls["within_position"] = {k: w[k] for k in w if k not in drop}
+  if cfg.data.task == "bijection":
+    _, _, prev = query_key_positions(cfg, source, hb["inputs"], mask)
+    new = prev[bi, ti] < 0
+    if new.sum() >= 3 and np.std(probes.partial_out(h[new], strata=ti[new])) > 1e-9:
+      w = probes.value_manifold(
+        X[new], h[new], strata=ti[new], permutations=PAPER_PERMUTATIONS, seed=seed
+      )
+      controls["new_keys_within_position"] = {k: w[k] for k in w if k not in drop}
+  out["controls"] = controls
+  return out
+
+
+def frame_dist(attn_series: list[np.ndarray]) -> np.ndarray:
+  """Mean total-variation distance of every checkpoint's attention rows to the last one's."""
+  final = attn_series[-1]
+  return np.array([0.5 * np.abs(a - final).sum(-1).mean() for a in attn_series])
+
+
+def checkpoint_precision(params, fwd, it: dict, hb: dict, db: dict) -> dict:
+  """What the precision side of the frame-precision probe reads at one checkpoint, on one
+  validation batch: |corr(PC1 of last-layer values, entropy)| (Paper III's manifold, no null)
+  and the KL to the posterior in bits per supervised position."""
+  import jax
+
+  from mhc_jax import probes
+  from mhc_jax.posterior import entropy_bits_pointwise
+
+  mask = hb["mask"]
+  bi, ti = np.nonzero(mask > 0)
+  h = np.asarray(entropy_bits_pointwise(hb["posterior"]))[bi, ti]
+  X = it["value"][-1].reshape(mask.shape + (-1,))[bi, ti]
+  vm = probes.value_manifold(X, h, permutations=0)
+  logits = np.asarray(jax.device_get(fwd(params, db)[0]), np.float64)
+  q = np.exp(logits - logits.max(-1, keepdims=True))
+  q /= q.sum(-1, keepdims=True)
+  kl = kl_bits_dist(pad_vocab(hb["posterior"], q.shape[-1]), q)[bi, ti]
+  return {"value_abs_corr": vm["abs_corr_pc1_entropy"], "kl_bits": float(kl.mean())}
+
+
+def frame_precision_probe(attn_series: list[np.ndarray], prec: list[dict], steps) -> dict:
+  from mhc_jax import probes
+
+  fd = frame_dist(attn_series)
+  corr = [p["value_abs_corr"] for p in prec]
+  kl = [p["kl_bits"] for p in prec]
+  by_corr = probes.frame_precision(steps, fd, corr)
+  by_kl = probes.frame_precision(steps, fd, -np.log10(np.maximum(kl, 1e-6)))
+  return {
+    "definition": PAPER_DEFINITIONS["frame_precision"],
+    "steps": list(steps),
+    "frame_dist": fd,
+    "value_abs_corr": corr,
+    "kl_bits": kl,
+    "frame_settled_step": by_corr["frame_settled_step"],
+    "manifold_settled_step": by_corr["precision_settled_step"],
+    "kl_settled_step": by_kl["precision_settled_step"],
+    "frame_before_manifold": by_corr["frame_first"],
+    "frame_before_kl": by_kl["frame_first"],
+  }
 
 
 # --------------------------------------------------------------------------------- driver
@@ -643,13 +921,18 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
       np_ = min(batches, PROBE_BATCHES)
       probes_out = geometry(cfg, source, params, inter, host_b[:np_], dev_b[:np_])
       why_not = drift_skip_reason(steps)
-      if why_not is None:
-        attn_s, val_s = [], []
+      attn_s, val_s, prec = [], [], []
+      if len(steps) >= 3:
         for s in steps:
           p = params if s == steps[-1] else restore_params(ckpt, abstract, s, run)
           it = stacked_intermediates(inter(p, dev_b[0]["inputs"]), cfg.model.depth)
           attn_s.append(it["attn"])
           val_s.append(it["value"])
+          prec.append(checkpoint_precision(p, fwd, it, host_b[0], dev_b[0]))
+        probes_out["paper"]["frame_precision"] = frame_precision_probe(attn_s, prec, steps)
+      else:
+        probes_out["paper"]["frame_precision"] = {"skipped": "needs 3+ checkpoints"}
+      if why_not is None:
         probes_out["drift"] = drift_probe(attn_s, val_s, steps)
       else:
         probes_out["drift"] = {"skipped": why_not, "controls": CONTROLS["drift"]}

@@ -324,3 +324,228 @@ def drift(
     "attn_drift_relative": relative_drift(a),
     "value_drift_relative": relative_drift(v),
   }
+
+
+# ----------------------------------------------------------------- the papers' own definitions
+# arXiv:2512.22471 (Paper I) and 2512.23752 (Paper III), as their released code computes them
+# (github.com/vishalmisra/bayesian-wind-tunnel; docs/windtunnel_results.md says which file).
+# Each comes with its null: random directions (key orthogonality), permuted evidence (q-k
+# alignment slope), permuted entropy (value manifold).
+
+
+def offdiag_abs_cos(x) -> float:
+  """Mean |cos| between the rows of `x [n, D]` over the n (n - 1) ordered off-diagonal pairs."""
+  u = _unit(np.asarray(x, np.float64))
+  n = len(u)
+  if n < 2:
+    raise ValueError("offdiag_abs_cos needs at least two rows")
+  return float(np.abs((u @ u.T)[~np.eye(n, dtype=bool)]).mean())
+
+
+def _random_abs_cos_draws(n: int, dim: int, draws: int, seed: int) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  return np.array([offdiag_abs_cos(rng.standard_normal((n, dim))) for _ in range(draws)])
+
+
+def token_key_orthogonality(keys, *, draws: int = 200, seed: int = 0) -> dict:
+  """Paper I's key orthogonality: the keys of the hypothesis tokens themselves.
+
+  keys [V, H, D]: for each of V hypothesis tokens (bijection: the key symbols) and each head,
+  the key the token's embedding gets from one layer's key projection (no position, no context;
+  the authors' `qkv_analysis.py orthogonality`: `K = E[0:V] @ W_K[h]`). Per head: mean |cos|
+  between the V keys, uncentred (`mean_abs_cos_by_head [H]`; `mean_signed_cos_by_head`, the
+  signed mean the authors' script writes). Null: V isotropic random directions in D dimensions,
+  `draws` seeded draws (`random_mean_abs_cos` ~ sqrt(2 / (pi D)), `random_std`); `ratio_to_random`
+  (head mean / null mean; < 1: more orthogonal than chance) and `z` (head mean minus null mean in
+  null standard deviations of a head mean over H heads). `cos [V, V]`: the cosine matrix of the
+  keys with all heads concatenated (what a figure shows), with `concat_mean_abs_cos` and its own
+  random reference `concat_random_mean_abs_cos` (V directions in H*D dimensions)."""
+  k = np.asarray(keys, np.float64)
+  if k.ndim != 3 or k.shape[0] < 2:
+    raise ValueError(f"need keys [V >= 2, H, D], got {k.shape}")
+  V, H, D = k.shape
+  per_head = np.array([offdiag_abs_cos(k[:, h]) for h in range(H)])
+  off = ~np.eye(V, dtype=bool)
+  signed = np.array([float((_unit(k[:, h]) @ _unit(k[:, h]).T)[off].mean()) for h in range(H)])
+  null = _random_abs_cos_draws(V, D, draws, seed)
+  flat = _unit(k.reshape(V, H * D))
+  cos = flat @ flat.T
+  mean = float(per_head.mean())
+  sd_mean = float(null.std()) / np.sqrt(H)
+  return {
+    "mean_abs_cos": mean,
+    "mean_abs_cos_by_head": per_head,
+    "mean_signed_cos_by_head": signed,
+    "random_mean_abs_cos": float(null.mean()),
+    "random_std": float(null.std()),
+    "ratio_to_random": mean / float(null.mean()),
+    "z": (mean - float(null.mean())) / sd_mean if sd_mean > 0 else float("nan"),
+    "cos": cos,
+    "concat_mean_abs_cos": float(np.abs(cos[off]).mean()),
+    "concat_random_mean_abs_cos": float(_random_abs_cos_draws(V, H * D, 16, seed + 1).mean()),
+  }
+
+
+def weight_key_orthogonality(kernel, *, draws: int = 200, seed: int = 0) -> dict:
+  """Paper III's key orthogonality (Sec. 4.2): the D columns of each head's key projection
+  W_K [C, H, D] (each a direction in the C-dimensional model space), mean |cos| between them
+  per head. Null: D isotropic random directions in C dimensions (the paper's Gaussian
+  baseline, sqrt(2 / (pi C))). Returns `mean_abs_cos` (mean over heads), `..._by_head [H]`,
+  `random_mean_abs_cos`, `random_std`, `ratio_to_random`."""
+  w = np.asarray(kernel, np.float64)
+  if w.ndim != 3 or w.shape[2] < 2:
+    raise ValueError(f"need a key kernel [C, H, D >= 2], got {w.shape}")
+  C, H, D = w.shape
+  per_head = np.array([offdiag_abs_cos(w[:, h, :].T) for h in range(H)])
+  null = _random_abs_cos_draws(D, C, draws, seed)
+  return {
+    "mean_abs_cos": float(per_head.mean()),
+    "mean_abs_cos_by_head": per_head,
+    "random_mean_abs_cos": float(null.mean()),
+    "random_std": float(null.std()),
+    "ratio_to_random": float(per_head.mean() / null.mean()),
+  }
+
+
+def _strata_perm(rng, x: np.ndarray, strata) -> np.ndarray:
+  if strata is None:
+    return rng.permutation(x)
+  out = x.copy()
+  for s in np.unique(strata):
+    idx = np.nonzero(strata == s)[0]
+    out[idx] = x[rng.permutation(idx)]
+  return out
+
+
+def _null_summary(stat: float, null: np.ndarray) -> dict:
+  sd = float(null.std())
+  return {
+    "null_mean": float(null.mean()),
+    "null_std": sd,
+    "z": (stat - float(null.mean())) / sd if sd > 0 else float("nan"),
+    "p": float((1 + np.sum(np.abs(null) >= abs(stat))) / (1 + len(null))),
+  }
+
+
+def evidence_slope(
+  values, evidence, *, strata=None, permutations: int = 1000, seed: int = 0
+) -> dict:
+  """Least-squares slope of `values [N]` (e.g. a per-query q-k alignment) on `evidence [N]`,
+  against its null: the same slope with the evidence labels permuted (`permutations` seeded
+  draws). With `strata [N]` (e.g. the query position) the slope is taken within strata (both
+  demeaned per stratum) and the evidence is permuted within strata, so a trend that is only
+  position does not count. Returns `slope`, `null_mean`, `null_std`, `z`, `p` (two-sided,
+  (1 + #{|null| >= |slope|}) / (1 + permutations)), `points`."""
+  y = np.asarray(values, np.float64)
+  e = np.asarray(evidence, np.float64)
+  if y.ndim != 1 or e.shape != y.shape:
+    raise ValueError(f"need values [N] and evidence [N], got {y.shape}, {e.shape}")
+  st = None if strata is None else np.asarray(strata)
+  y_res = partial_out(y, strata=st)
+
+  def slope(ev):
+    r = partial_out(ev, strata=st)
+    den = float((r * r).sum())
+    return float((r * y_res).sum() / den) if den > 1e-12 else 0.0
+
+  s = slope(e)
+  rng = np.random.default_rng(seed)
+  null = np.array([slope(_strata_perm(rng, e, st)) for _ in range(permutations)])
+  return {"slope": s, "points": int(len(y)), **_null_summary(s, null)}
+
+
+def _spearman(a: np.ndarray, b: np.ndarray) -> float:
+  rank = lambda x: np.argsort(np.argsort(x, kind="stable"), kind="stable").astype(np.float64)
+  return _pearson(rank(a), rank(b))
+
+
+def value_manifold(
+  values, entropy, *, k: int = 3, strata=None, permutations: int = 1000, seed: int = 0
+) -> dict:
+  """Paper III's value manifold (Sec. 4.2): PCA of last-layer value vectors (all heads
+  concatenated) with every coordinate standardised over the samples, and how PC1 tracks the
+  posterior entropy.
+
+  values [N, D], entropy [N] (bits). Returns `explained_variance_ratio [k]` (the papers report
+  PC1 84-90% on their wind tunnels), `pc1_variance_random` (PC1's share for Gaussian data of the
+  same N x D, standardised alike: the chance level, ~1/D plus sampling), `projections [N, 2]`,
+  `corr_pc1_entropy` (Pearson; `spearman_pc1_entropy`, which the authors' Paper III script
+  uses), `abs_corr_pc1_entropy` and its null: the entropy labels permuted (`permutations`
+  draws; `null_mean`, `null_std`, `z`, `p` of |r|). With `strata` (e.g. position) the values and
+  the entropy are demeaned within strata before standardising, and the entropy is permuted
+  within strata: the correlation then is what is left beyond position. `permutations=0`: no
+  null (the null keys are absent)."""
+  X = np.asarray(values, np.float64)
+  h = np.asarray(entropy, np.float64)
+  if X.ndim != 2 or h.shape != X.shape[:1] or len(h) < 3:
+    raise ValueError(f"need values [N >= 3, D] and entropy [N], got {X.shape}, {h.shape}")
+  st = None if strata is None else np.asarray(strata)
+
+  def standardised_pca(A):
+    A = partial_out(A, strata=st)
+    sd = A.std(axis=0)
+    A = A[:, sd > 1e-12] / sd[sd > 1e-12]
+    _, s, vt = np.linalg.svd(A, full_matrices=False)
+    return A, s**2 / max(float((s**2).sum()), 1e-300), vt
+
+  Xs, evr, vt = standardised_pca(X)
+  proj = Xs @ vt[: min(2, len(vt))].T
+  hc = partial_out(h, strata=st)
+  r = _pearson(proj[:, 0], hc)
+  rng = np.random.default_rng(seed)
+  null = np.array(
+    [
+      abs(_pearson(proj[:, 0], partial_out(_strata_perm(rng, h, st), strata=st)))
+      for _ in range(permutations)
+    ]
+  )
+  nulls = _null_summary(abs(r), null) if permutations > 0 else {}
+  _, evr_rand, _ = standardised_pca(np.random.default_rng(seed + 1).standard_normal(X.shape))
+  kk = int(min(k, len(evr)))
+  return {
+    "explained_variance_ratio": evr[:kk],
+    "pc1_variance": float(evr[0]),
+    "pc1_variance_random": float(evr_rand[0]),
+    "projections": proj,
+    "corr_pc1_entropy": r,
+    "spearman_pc1_entropy": _spearman(proj[:, 0], hc),
+    "abs_corr_pc1_entropy": abs(r),
+    "points": int(len(h)),
+    **nulls,
+  }
+
+
+def settle_step(steps, series, *, final=None, frac: float = 0.9) -> int:
+  """The first checkpoint step from which `series` stays within (1 - frac) of its total change
+  (first checkpoint -> `final`, default the last value) of `final`: where it has settled."""
+  s = np.asarray(series, np.float64)
+  st = np.asarray(steps)
+  f = s[-1] if final is None else float(final)
+  span = abs(s[0] - f)
+  ok = np.abs(s - f) <= (1.0 - frac) * span + 1e-12
+  bad = np.nonzero(~ok)[0]
+  return int(st[0] if bad.size == 0 else st[min(bad[-1] + 1, len(st) - 1)])
+
+
+def frame_precision(steps, frame_dist, precision, *, frac: float = 0.9) -> dict:
+  """Paper I's frame-precision dissociation ("the manifold unfurls while attention patterns
+  remain stable"), as an order of settling over checkpoints.
+
+  steps [C], frame_dist [C]: distance of each checkpoint's attention patterns to the final
+  checkpoint's (e.g. mean total variation; 0 at the end), precision [C]: a measure that improves
+  as the value geometry sharpens (e.g. |corr(PC1 of values, entropy)|, or -KL). Each series'
+  settling step is where it has covered `frac` of its change for good (`settle_step`); the
+  frame settles first when its step is earlier. Returns `frame_settled_step`,
+  `precision_settled_step`, `frame_first` (bool), `steps`."""
+  st = np.asarray(steps)
+  f, p = np.asarray(frame_dist, np.float64), np.asarray(precision, np.float64)
+  if st.ndim != 1 or len(st) < 3 or f.shape != st.shape or p.shape != st.shape:
+    raise ValueError("frame_precision needs 3+ checkpoints and one value of each series per step")
+  fs = settle_step(st, f, final=0.0, frac=frac)
+  ps = settle_step(st, p, frac=frac)
+  return {
+    "steps": st,
+    "frame_settled_step": fs,
+    "precision_settled_step": ps,
+    "frame_first": fs < ps,
+  }

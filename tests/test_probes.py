@@ -360,3 +360,90 @@ def test_planted_qk_alignment_slope_found_noise_rejected():
   q, k, ev, dist = _qk_case(rng, planted=False)
   r = probes.qk_alignment_by_evidence(q, k, ev, distance=dist)
   assert abs(r["slope"]) < 0.03 and abs(r["cos"].mean()) < 0.02
+
+
+# ----------------------------------------------------------------- the papers' definitions
+
+
+def test_planted_token_keys_orthogonal_found_gaussian_keys_at_chance():
+  """Paper I's token-key orthogonality: 20 tokens on orthogonal axes of each 32-dim head read
+  far below the random-direction null; Gaussian keys read at it (|z| small)."""
+  rng = np.random.default_rng(0)
+  V, H, D = 20, 4, 32
+  planted = np.stack([np.eye(D)[rng.permutation(D)[:V]] for _ in range(H)], axis=1)
+  planted = planted + 0.05 * rng.standard_normal(planted.shape)
+  r = probes.token_key_orthogonality(planted)
+  assert r["ratio_to_random"] < 0.5 and r["z"] < -20  # measured 0.39
+  assert r["cos"].shape == (V, V) and r["concat_mean_abs_cos"] < 0.1
+  noise = probes.token_key_orthogonality(rng.standard_normal((V, H, D)), seed=1)
+  assert 0.85 < noise["ratio_to_random"] < 1.15 and abs(noise["z"]) < 4
+  assert abs(noise["random_mean_abs_cos"] - np.sqrt(2 / (np.pi * D))) < 0.01
+  shared = rng.standard_normal((1, H, D)) + 0.3 * rng.standard_normal((V, H, D))
+  assert probes.token_key_orthogonality(shared)["ratio_to_random"] > 3  # keys in one direction
+
+
+def test_weight_key_orthogonality_orthogonal_columns_vs_gaussian():
+  rng = np.random.default_rng(1)
+  C, H, D = 64, 4, 16
+  q, _ = np.linalg.qr(rng.standard_normal((C, H * D)))
+  r = probes.weight_key_orthogonality(q.reshape(C, H, D))
+  assert r["mean_abs_cos"] < 1e-8 and r["ratio_to_random"] < 1e-6
+  g = probes.weight_key_orthogonality(rng.standard_normal((C, H, D)))
+  assert 0.9 < g["ratio_to_random"] < 1.1
+  assert abs(g["random_mean_abs_cos"] - np.sqrt(2 / (np.pi * C))) < 0.01
+
+
+def test_evidence_slope_planted_found_shuffled_rejected_position_controlled():
+  rng = np.random.default_rng(2)
+  n = 600
+  pos = rng.integers(0, 16, n)
+  ev = np.minimum(pos, rng.integers(0, 16, n))  # evidence grows with position, varies within it
+  y = 0.05 * ev + 0.1 * rng.standard_normal(n)
+  r = probes.evidence_slope(y, ev, permutations=300)
+  assert abs(r["slope"] - 0.05) < 0.01 and r["z"] > 10 and r["p"] < 0.01
+  w = probes.evidence_slope(y, ev, strata=pos, permutations=300)
+  assert abs(w["slope"] - 0.05) < 0.015 and w["p"] < 0.01
+  noise = probes.evidence_slope(rng.standard_normal(n), ev, permutations=300)
+  assert abs(noise["z"]) < 3.5 and noise["p"] > 0.001
+  # a trend in position alone: found unconditioned, gone within position
+  yp = 0.05 * pos + 0.1 * rng.standard_normal(n)
+  assert probes.evidence_slope(yp, ev, permutations=200)["z"] > 10
+  assert abs(probes.evidence_slope(yp, ev, strata=pos, permutations=200)["z"]) < 3.5
+
+
+def test_value_manifold_planted_entropy_axis_found_shuffled_rejected():
+  """Values on an entropy-parametrised curve in 64 dims: PC1 carries most variance and tracks
+  the entropy far beyond the shuffled-entropy null; isotropic values do not."""
+  rng = np.random.default_rng(3)
+  n, D = 800, 64
+  h = rng.uniform(0, np.log2(20), n)
+  a, b = rng.standard_normal(D), rng.standard_normal(D)
+  X = np.outer(h, a) + np.outer((h - 2) ** 2, 0.1 * b) + 0.2 * rng.standard_normal((n, D))
+  r = probes.value_manifold(X, h, permutations=300)
+  assert r["pc1_variance"] > 0.6 and r["pc1_variance"] > 10 * r["pc1_variance_random"]
+  assert r["abs_corr_pc1_entropy"] > 0.95 and r["z"] > 20 and r["p"] < 0.01
+  assert r["projections"].shape == (n, 2)
+  noise = probes.value_manifold(rng.standard_normal((n, D)), h, permutations=300)
+  assert noise["abs_corr_pc1_entropy"] < 0.15 and noise["z"] < 4
+  assert noise["pc1_variance"] < 2 * noise["pc1_variance_random"]
+  # position drives values and entropy: gone within position
+  pos = rng.integers(0, 10, n)
+  hp = pos * 0.3 + 0.01 * rng.standard_normal(n)
+  Xp = np.outer(pos, a) + 0.2 * rng.standard_normal((n, D))
+  assert probes.value_manifold(Xp, hp, permutations=100)["abs_corr_pc1_entropy"] > 0.9
+  w = probes.value_manifold(Xp, hp, strata=pos, permutations=200)
+  assert w["z"] < 4
+  assert "z" not in probes.value_manifold(X, h, permutations=0)
+
+
+def test_frame_precision_order():
+  steps = np.arange(1, 11) * 1000
+  frame = np.array([1.0, 0.3, 0.05, 0.02, 0.01, 0.01, 0.005, 0.002, 0.001, 0.0])
+  prec = np.array([0.0, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.85, 0.95, 1.0])
+  r = probes.frame_precision(steps, frame, prec)
+  assert r["frame_first"] and r["frame_settled_step"] == 3000
+  assert r["precision_settled_step"] == 9000
+  late = probes.frame_precision(steps, prec[::-1], prec)
+  assert not late["frame_first"]
+  with pytest.raises(ValueError):
+    probes.frame_precision(steps[:2], frame[:2], prec[:2])
