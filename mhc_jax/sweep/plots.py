@@ -68,8 +68,8 @@ CAPTIONS = {
   "non-finite gradient norm. Read: a flat or slowly falling band is healthy; jumps by a decade or more "
   "usually accompany or precede loss spikes.",
   "amax_vs_depth": 'Amax gain of the whole-depth product ∏ H_res (the mHC paper\'s "Amax Gain Magnitude"; '
-  "forward = max |row sum|, backward = max |column sum|) at the end of training (last logged finite "
-  "value), against depth L (2L mixer layers; log2 axis when depths span 4x or more). Solid lines: the "
+  "forward = max |row sum|, backward = max |column sum|) maximum over training (the summary table's "
+  "amax_*_composite_max and amax_*_composite_tok_mean_max columns, which the sentence quotes), against depth L (2L mixer layers; log2 axis when depths span 4x or more). Solid lines: the "
   "product of the token-averaged H_res (what the paper plots); dashed, where the logs have it: the "
   "per-token composite (each sampled token's own product, averaged over tokens), which token averaging "
   "can hide. One line per "
@@ -476,7 +476,7 @@ def _layer_matrix(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
 def composite_gain_vs_depth(
   metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110
 ) -> str | None:
-  """Whole-depth composite Amax gain (fwd and bwd) at the end of training against depth,
+  """Whole-depth composite Amax gain (fwd and bwd), its maximum over training, against depth,
   one line per mixer (median over the other axes with min-max bars, or the geometric mean
   with a 95% band where only the seed varies), log y. Solid: token-averaged composite
   (``amax_*_composite``); dashed, where logged: per-token composite, token mean
@@ -488,7 +488,7 @@ def composite_gain_vs_depth(
     rr = runs[runs["run"] == name]
     mixer = str(rr["mixer"].iloc[0]) if "mixer" in rr.columns and len(rr) else "run"
     for d, kind in (("fwd", "avg"), ("bwd", "avg"), ("fwd", "tok"), ("bwd", "tok")):
-      # the last layer's (whole-depth) value at the last step where it is finite
+      # the last layer's (whole-depth) value, its maximum over training
       steps, mat = _layer_matrix(df, f"amax_{d}_composite" + ("_tok_mean" if kind == "tok" else ""))
       if not steps.size:
         continue
@@ -505,7 +505,7 @@ def composite_gain_vs_depth(
           "dir": d,
           "kind": kind,
           "depth": float(depth),
-          "value": float(whole[ok[-1]]),
+          "value": float(np.max(whole[ok])),  # max over training, as the table's *_max columns
           "run": name,
         }
       )
@@ -566,7 +566,7 @@ def composite_gain_vs_depth(
     ax.set_xticklabels([_fmt(v) for v in depths])
     if len(depths) == 1:
       ax.set_xlim(depths[0] - 1, depths[0] + 1)
-  axes[0].set_ylabel("composite Amax gain of ∏ H_res\n(whole depth, end of training)")
+  axes[0].set_ylabel("composite Amax gain of ∏ H_res\n(whole depth, max over training)")
   for ax in axes:
     _plain_log_ticks(ax)
   handles = [
@@ -586,7 +586,7 @@ def composite_gain_vs_depth(
   fig.legend(
     handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.84), fontsize=9, frameon=False
   )
-  fig.suptitle("Composite Amax gain against depth (end of training)", fontsize=12)
+  fig.suptitle("Composite Amax gain against depth (max over training)", fontsize=12)
   return _save(fig, path, dpi)
 
 

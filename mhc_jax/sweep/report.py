@@ -42,6 +42,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
+from mhc_jax import metrics
 from mhc_jax.logs import flatten_dict, load_events, load_run, read_jsonl
 from mhc_jax.spikes import lr_sensitivity
 from mhc_jax.sweep import stats
@@ -165,12 +166,7 @@ GROUP_METRICS = [c for c in METRIC_COLUMNS if c not in ("status", "note", "steps
 #: norms, stream spreads): geometric mean with the t interval of the logs, back-transformed, and
 #: paired comparisons as ratios (:mod:`mhc_jax.sweep.stats`, docs/statistics.md). The one place
 #: this is decided; every other metric is summarised on the raw scale.
-LOG_SCALE = frozenset(
-  [
-    "max_grad_norm",
-    *(c for c in METRIC_COLUMNS if c.startswith(("amax_", "amin_", "stream_spread_"))),
-  ]
-)
+LOG_SCALE = metrics.log_columns()
 #: What the two kinds of composite gain mean, one sentence each (the report and notebook 02).
 COMPOSITE_SENTENCES = {
   "token-averaged": "Token-averaged composite (amax_*_composite): the Amax gain of the product over layers "
@@ -261,6 +257,40 @@ def _read_summary(run_dir: Path) -> dict[str, Any]:
   return out if isinstance(out, dict) else {}
 
 
+def _reduce(records: list[dict[str, Any]], m: metrics.Metric, how: str, warmup: int) -> float:
+  """One report column: metric ``m`` reduced over training as ``how`` says
+  (:data:`mhc_jax.metrics.REDUCTIONS`); NaN where the logs lack it."""
+  if m.shape == "scalar":
+    steps, v = _scalars(records, m.name)
+    if how == "max_after_warmup":
+      v = v[steps >= warmup]
+  else:
+    lists = _layer_lists(records, m.name)
+    if how in ("last_layer", "layer_mean", "layer_min"):
+      last = lists[-1] if lists else np.zeros(0)
+      if not last.size:
+        return math.nan
+      return float(
+        {"last_layer": last[-1], "layer_mean": np.mean(last), "layer_min": np.min(last)}[how]
+      )
+    if how == "max_all_layers":
+      return _nanmax(np.concatenate(lists)) if lists else math.nan
+    v = np.array([x[-1] for x in lists])  # the whole-depth value at each diagnostics step
+  if how == "first":
+    return _last(v[:1])
+  if how == "last":
+    return _last(v)
+  if how == "final":
+    return final_loss_of(v)
+  if how == "min":
+    return -_nanmax(-v) if v.size else math.nan
+  if how in ("max", "max_after_warmup"):
+    return _nanmax(v) if v.size else math.nan
+  if how == "absmax":
+    return _nanmax(np.abs(v))
+  raise ValueError(f"unknown reduction {how!r} of {m.name}")
+
+
 def final_loss_of(losses: np.ndarray) -> float:
   """Mean of the last ``ceil(n/20)`` (>= 1) values: the :data:`COLUMN_DOCS` ``final_loss``."""
   n = len(losses)
@@ -290,50 +320,20 @@ def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
   summary = _read_summary(run_dir)
 
   loss_steps, losses = _scalars(records, "loss")
-  grad_steps, grads = _scalars(records, "grad_norm")
   warmup = _read_config(run_dir).get("optim.warmup_steps") or 0
   out: dict[str, Any] = {"status": summary.get("status")}
   out["steps"] = int(records[-1]["step"]) if records else 0
-  out["loss_init"] = _last(losses[:1])
-  out["eval_loss"] = _last(_scalars(records, "eval/loss")[1])
-  out["final_loss"] = final_loss_of(losses)
-  finite = losses[np.isfinite(losses)]
-  out["min_loss"] = float(finite.min()) if finite.size else math.nan
   kinds = (
     events["kind"].astype(str) if events is not None and len(events) else pd.Series([], dtype=str)
   )
   out["spike_count"] = int(kinds.str.startswith("spike/").sum())
-  out["spike_score"] = _last(_scalars(records, "spike_score")[1])
-  out["max_grad_norm"] = _nanmax(grads[grad_steps >= warmup]) if grads.size else math.nan
-  for d in ("fwd", "bwd"):
-    lists = _layer_lists(records, f"amax_{d}_composite")
-    out[f"amax_{d}_composite_max"] = _nanmax(np.array([x[-1] for x in lists]))
-    out[f"amax_{d}_composite_max_all_layers"] = (
-      _nanmax(np.concatenate(lists)) if lists else math.nan
-    )
   not_logged = []
-  for col, (metric, how) in LATER_COLUMNS.items():
-    lists = _layer_lists(records, metric)
-    if not lists:
-      out[col] = math.nan
-      not_logged.append(col)
-    elif how == "all layers":
-      out[col] = _nanmax(np.concatenate(lists))
-    elif how.startswith("last step"):
-      last = lists[-1]
-      pick = {"last": last[-1], "mean": np.mean(last), "min": np.min(last)}
-      out[col] = float(pick[how.split(": ")[1]])
-    elif how == "min":
-      out[col] = -_nanmax(-np.array([x[-1] for x in lists]))
-    else:
-      out[col] = _nanmax(np.array([x[-1] for x in lists]))
-  out["growth_exponent"] = _last(_scalars(records, "growth_exponent")[1])
-  attn = _layer_lists(records, "attn_logit_max")
-  out["attn_logit_max"] = _nanmax(np.concatenate(attn)) if attn else math.nan
-  out["out_logit_max"] = _nanmax(_scalars(records, "out_logit_max")[1])
-  out["logz_absmax"] = _nanmax(np.abs(_scalars(records, "logsumexp_mean")[1]))
+  for m in metrics.METRICS:  # every column the registry derives from metrics.jsonl
+    for col, how in m.summary.items():
+      out[col] = _reduce(records, m, how, warmup)
+      if col in LATER_COLUMNS and not _layer_lists(records, m.name):
+        not_logged.append(col)
   out.update(eval_columns(run_dir))
-  out["kl_bits"] = _last(_scalars(records, "eval/kl_bits")[1])
   _, nf = _scalars(records, "nonfinite")
   out["nonfinite"] = (
     int(nf[-1]) if len(nf) and np.isfinite(nf[-1]) else int((~np.isfinite(losses)).sum())

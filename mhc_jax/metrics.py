@@ -1,0 +1,251 @@
+"""The metric registry: one entry per key a run writes to ``metrics.jsonl`` and ``summary.json``.
+
+Each :class:`Metric` says what a name is (``shape``: ``scalar``; ``layer``, a list over the 2L
+mixer layers; ``block``, a list over the L blocks; ``position``, a list over positions), when it
+is logged (``when``: every logged ``step``, every ``diag_every`` steps, every ``eval_every``
+steps, or once in ``summary.json``), how the report reduces it over training (``summary``:
+report column -> reduction, see :data:`REDUCTIONS`), whether it is summarised on the log scale
+(``log``: positive and heavy-tailed, so geometric means, log-scale intervals and ratios), what
+figure shows it (``plot``) and one line of meaning. The report, the notebooks and
+docs/interfaces.md read this table; a new metric is an entry here, not report code.
+No jax import: the report and the docs read it without a training stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+__all__ = ["Metric", "METRICS", "SUMMARY_FIELDS", "REDUCTIONS", "by_name", "log_columns"]
+
+#: How a report column reduces a metric over training (per-layer metrics: the whole-depth value,
+#: i.e. the last entry of each list, unless the reduction says otherwise).
+REDUCTIONS = {
+  "first": "first logged value",
+  "last": "last logged value",
+  "final": "mean of the last 5% of logged values (ceil(n/20), at least 1); NaN/inf if any is",
+  "min": "minimum over steps (non-finite values ignored)",
+  "max": "maximum over steps (NaN ignored, inf kept)",
+  "max_after_warmup": "maximum over the steps >= optim.warmup_steps (NaN ignored, inf kept)",
+  "max_all_layers": "maximum over every layer and step",
+  "absmax": "maximum over steps of |value|",
+  "last_layer": "at the last diagnostics step, the last layer's value",
+  "layer_mean": "at the last diagnostics step, the mean over layers",
+  "layer_min": "at the last diagnostics step, the minimum over layers",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+  name: str
+  shape: str  # scalar | layer | block | position
+  when: str  # step | diag | eval | summary
+  meaning: str
+  log: bool = False
+  summary: Mapping[str, str] = dataclasses.field(default_factory=dict)  # column -> reduction
+  plot: str | None = None  # curve (against step) | depth (column against depth) | layer | heatmap
+
+
+def _m(name, shape, when, meaning, log=False, summary=None, plot=None) -> Metric:
+  return Metric(name, shape, when, meaning, log, dict(summary or {}), plot)
+
+
+_GAIN = "Amax gain (max |row sum| fwd, max |column sum| bwd)"
+METRICS: tuple[Metric, ...] = (
+  # ----------------------------------------------------------------- every logged step
+  _m(
+    "loss",
+    "scalar",
+    "step",
+    "training loss, nats per token",
+    summary={"loss_init": "first", "final_loss": "final", "min_loss": "min"},
+    plot="curve",
+  ),
+  _m("z_loss", "scalar", "step", "mean squared log partition function (the z-loss term)"),
+  _m("lr", "scalar", "step", "learning rate at this step"),
+  _m(
+    "grad_norm",
+    "scalar",
+    "step",
+    "global gradient L2 norm before clipping",
+    log=True,
+    summary={"max_grad_norm": "max_after_warmup"},
+    plot="curve",
+  ),
+  _m("grad_norm_clipped", "scalar", "step", "global gradient norm after clipping"),
+  _m("param_norm", "scalar", "step", "global parameter L2 norm"),
+  _m("update_rms_lr", "scalar", "step", "RMS of the parameter update divided by the lr"),
+  _m("tokens_per_s", "scalar", "step", "training throughput, tokens per second"),
+  _m("step_time_s", "scalar", "step", "wall time of the step, seconds"),
+  _m("nonfinite", "scalar", "step", "running count of skipped non-finite steps"),
+  _m(
+    "spike_score",
+    "scalar",
+    "step",
+    "fraction of spike steps in the trailing window (mhc_jax/spikes.py)",
+    summary={"spike_score": "last"},
+  ),
+  # ----------------------------------------------------------------- every diag_every steps
+  _m("gain_fwd", "layer", "diag", "RMS(stream out) / RMS(stream in) of each layer", plot="heatmap"),
+  _m("branch_ratio", "layer", "diag", "RMS(sublayer output F) / RMS(stream in)"),
+  _m("grad_rms", "layer", "diag", "RMS of dLoss/d(stream entering the layer)"),
+  _m("gain_bwd", "layer", "diag", "factor by which the layer scales the gradient passing back"),
+  _m("amax_fwd", "layer", "diag", "forward Amax gain of the layer's own token-averaged H_res"),
+  _m("amax_bwd", "layer", "diag", "backward Amax gain of the layer's own token-averaged H_res"),
+  *(
+    _m(
+      f"amax_{d}_composite",
+      "layer",
+      "diag",
+      f"{word} {_GAIN} of the prefix product of the token-averaged H_res (what the mHC paper "
+      "plots); the last entry is the whole depth",
+      log=True,
+      summary={
+        f"amax_{d}_composite_max": "max",
+        f"amax_{d}_composite_max_all_layers": "max_all_layers",
+      },
+      plot="depth",
+    )
+    for d, word in (("fwd", "forward"), ("bwd", "backward"))
+  ),
+  *(
+    _m(
+      f"amax_{d}_composite_tok_{k}",
+      "layer",
+      "diag",
+      f"{word} Amax gain of each sampled token's own prefix product of its H_res, {how} over the "
+      "token sample (token averaging can hide it)",
+      log=True,
+      summary={f"amax_{d}_composite_tok_{k}_max": "max"},
+      plot="depth" if k == "mean" else None,
+    )
+    for d, word in (("fwd", "forward"), ("bwd", "backward"))
+    for k, how in (("mean", "averaged"), ("max", "worst"))
+  ),
+  *(
+    _m(
+      f"amin_{d}_composite",
+      "layer",
+      "diag",
+      f"min |{side} sum| of the prefix product of H_res (below 1 the residual path attenuates)",
+      log=True,
+      summary={f"amin_{d}_composite_min": "min"},
+    )
+    for d, side in (("fwd", "row"), ("bwd", "column"))
+  ),
+  *(
+    _m(
+      f"amax_{d}_suffix",
+      "layer",
+      "diag",
+      f"{word} Amax gain of the suffix product of H_res, layer l to the output (mHC Eq. 4)",
+      log=True,
+      summary={f"amax_{d}_suffix_max_all_layers": "max_all_layers"},
+    )
+    for d, word in (("fwd", "forward"), ("bwd", "backward"))
+  ),
+  _m("log_colsum_max", "layer", "diag", "max |log column sum| of the prefix product of H_res"),
+  _m("sinkhorn_err", "layer", "diag", "max column-sum error of the Sinkhorn projection"),
+  _m(
+    "stream_spread",
+    "layer",
+    "diag",
+    "RMS(x - mean over streams) / RMS(x) after each layer: 0 = streams collapsed into one",
+    log=True,
+    summary={
+      "stream_spread_last": "last_layer",
+      "stream_spread_mean": "layer_mean",
+      "stream_spread_min": "layer_min",
+    },
+    plot="layer",
+  ),
+  _m(
+    "attn_logit_max",
+    "block",
+    "diag",
+    "largest pre-softmax attention logit per attention layer",
+    summary={"attn_logit_max": "max_all_layers"},
+  ),
+  _m("layer_grad_norm", "block", "diag", "gradient L2 norm of each block's parameters"),
+  _m(
+    "out_logit_max",
+    "scalar",
+    "diag",
+    "largest output logit",
+    summary={"out_logit_max": "max"},
+  ),
+  _m(
+    "logsumexp_mean",
+    "scalar",
+    "diag",
+    "mean log partition function of the output softmax (z-loss pulls it to 0)",
+    summary={"logz_absmax": "absmax"},
+  ),
+  _m("logsumexp_max", "scalar", "diag", "max log partition function of the output softmax"),
+  _m(
+    "growth_exponent",
+    "scalar",
+    "diag",
+    "(1/(2L)) ln(RMS(x leaving layer 2L-1) / RMS(x entering layer 0)), activations",
+    summary={"growth_exponent": "last"},
+  ),
+  _m("growth_exponent_grad", "scalar", "diag", "the same for gradients, output back to input"),
+  # ----------------------------------------------------------------- every eval_every steps
+  _m(
+    "eval/loss",
+    "scalar",
+    "eval",
+    "held-out loss on data.eval_batches validation batches: the primary endpoint",
+    summary={"eval_loss": "last"},
+  ),
+  _m(
+    "eval/kl_bits",
+    "scalar",
+    "eval",
+    "KL(exact posterior || model), bits per position (wind tunnels)",
+    summary={"kl_bits": "last"},
+    plot="curve",
+  ),
+  _m("eval/entropy_gap_bits", "scalar", "eval", "model entropy minus posterior entropy, bits"),
+  _m("eval/accuracy", "scalar", "eval", "argmax agreement with the posterior's mode"),
+  _m("eval/ece", "scalar", "eval", "expected calibration error"),
+  _m("eval/kl_bits_by_pos", "position", "eval", "eval/kl_bits per position"),
+  _m("eval/kl_bits_by_evidence", "position", "eval", "eval/kl_bits by evidence seen (bijection)"),
+)
+
+#: summary.json (written once, at the end of a run): field -> meaning.
+SUMMARY_FIELDS = {
+  "status": "done | diverged | halted | preempted | failed",
+  "message": "why the run stopped, where it did not finish as planned",
+  "steps": "steps trained",
+  "final_loss": "last logged training loss (the report's final_loss is the mean of the last 5%)",
+  "wall_s": "wall time, seconds, over every resume",
+  "params": "parameter counts",
+  "nonfinite": "non-finite steps skipped",
+  "spikes": "steps with a loss or gradient spike",
+  "divergence": '{"step", "reason"} where the divergence rule fired, else null',
+  "eval/*": "the last evaluation's scalar metrics",
+}
+
+
+def by_name() -> dict[str, Metric]:
+  return {m.name: m for m in METRICS}
+
+
+def log_columns() -> frozenset[str]:
+  """The report columns summarised on the log scale (those of the ``log`` metrics)."""
+  return frozenset(c for m in METRICS if m.log for c in m.summary)
+
+
+def markdown_table() -> str:
+  """The registry as the Markdown table docs/interfaces.md carries (tests/test_metrics.py checks
+  it is up to date)."""
+  rows = ["| name | shape | logged | report columns (reduction) | log | plot | meaning |"]
+  rows.append("| --- | --- | --- | --- | --- | --- | --- |")
+  for m in METRICS:
+    cols = ", ".join(f"`{c}` ({r})" for c, r in m.summary.items())
+    log = "yes" if m.log else ""
+    rows.append(
+      f"| `{m.name}` | {m.shape} | {m.when} | {cols} | {log} | {m.plot or ''} | {m.meaning} |"
+    )
+  return "\n".join(rows) + "\n"
