@@ -1,22 +1,24 @@
-"""Run configuration: typed frozen dataclasses, loaded from YAML plus dotted overrides, and
+"""Run configuration: frozen pydantic dataclasses, loaded from YAML plus dotted overrides, and
 validated before anything runs.
 
 A config file has up to seven top-level keys: ``name`` and the sections ``model``, ``data``,
 ``optim``, ``train``, ``mesh``, ``dist`` (every key optional; defaults below). Overrides are
 ``a.b.c=VALUE`` strings whose VALUE is parsed as YAML (``3e-3``, ``true``, ``[1, 2]``, ``null``).
+``model.mixer_options`` holds the options of ``model.mixer`` (its typed model in
+:mod:`mhc_jax.mixer_options`: ``n`` streams and the rest), only those set.
 
 Every problem raises :class:`ConfigError` with one message that names the dotted key::
 
     model.heads: 3 does not divide model.width=64
     model.dept: unknown key (did you mean model.depth?)
 
-Constructing any section validates it (types, then ranges), and :class:`Config` adds the checks
-that span sections, so a ``Config`` object in hand is always a valid one; ``dataclasses.replace``
-re-validates. Checks that need the outside world are separate: :func:`check_paths` (data files,
-run by :func:`load_config`) and :func:`validate_mesh` (needs the device count).
+Types are strict (``1`` is no bool, ``10.0`` no int; ints are accepted for floats and stored as
+floats) and unknown keys are errors. Constructing any section validates it, and :class:`Config`
+adds the checks that span sections, so a ``Config`` in hand is a valid one;
+``dataclasses.replace`` re-validates. Checks that need the outside world are separate:
+:func:`check_paths` (data files, run by :func:`load_config`) and :func:`validate_mesh` (needs
+the device count). Nothing here imports jax.
 """
-
-from __future__ import annotations
 
 import copy
 import dataclasses
@@ -27,45 +29,19 @@ import json
 import math
 import os
 import re
+import typing
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Optional
 
+import pydantic
 import yaml
+from pydantic import ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from mhc_jax import storage
 from mhc_jax.errors import ConfigError
-
-__all__ = [
-  "ConfigError",
-  "ModelConfig",
-  "DataConfig",
-  "OptimConfig",
-  "TrainConfig",
-  "MeshConfig",
-  "DistConfig",
-  "Config",
-  "load_config",
-  "from_dict",
-  "to_dict",
-  "save_config",
-  "config_hash",
-  "apply_overrides",
-  "parse_override",
-  "with_overrides",
-  "check_paths",
-  "validate_mesh",
-  "resolve_dist",
-  "with_data_vocab",
-  "mixer_names",
-  "mixer_option_names",
-  "mixer_option_types",
-  "data_option_names",
-  "yaml_load",
-  "DEFAULT_VOCAB",
-]
+from mhc_jax.mixer_options import OPTIONS, all_option_names
 
 DEFAULT_VOCAB = 256  # what a model uses when neither model.vocab nor the data source sets one
-
 POSTERIOR_TASKS = ("bijection", "hmm")  # tasks with an exact posterior (data.target=posterior)
 
 
@@ -87,17 +63,14 @@ _FLOAT_RE = re.compile(
 
 class _Loader(yaml.SafeLoader):
   def construct_mapping(self, node, deep=False):
-    if isinstance(node, yaml.MappingNode):
-      seen = {}
-      for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-          continue
-        k = (key_node.tag, key_node.value)
-        if k in seen:
+    seen = set()
+    for key_node, _ in node.value:
+      if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+        if (key_node.tag, key_node.value) in seen:
           raise yaml.constructor.ConstructorError(
             None, None, f"duplicate key {key_node.value!r}", key_node.start_mark
           )
-        seen[k] = True
+        seen.add((key_node.tag, key_node.value))
     return super().construct_mapping(node, deep=deep)
 
 
@@ -114,86 +87,11 @@ def yaml_load(text: str) -> Any:
 
 
 # ------------------------------------------------------------------------------------------
-# Type checking of field values, driven by the dataclass annotations.
+# pydantic's ValidationError as one ConfigError line naming the dotted key.
 
 
 def _show(value: Any) -> str:
-  if value is None:
-    return "null"
-  return f"{type(value).__name__} {value!r}"
-
-
-def _type_name(tp: Any) -> str:
-  if get_origin(tp) is Union:
-    names = [_type_name(a) for a in get_args(tp) if a is not type(None)]
-    return " or ".join(names) + " or null"
-  return {bool: "bool", int: "int", float: "float", str: "str", dict: "mapping"}.get(tp, str(tp))
-
-
-def _check_plain(key: str, value: Any) -> Any:
-  """A deep copy of YAML-able plain data (str keys), or ConfigError naming the bad part."""
-  if value is None or isinstance(value, (bool, int, float, str)):
-    return value
-  if isinstance(value, Mapping):
-    out = {}
-    for k, v in value.items():
-      if not isinstance(k, str):
-        raise ConfigError(f"{key}: keys must be strings, got {_show(k)}")
-      out[k] = _check_plain(f"{key}.{k}", v)
-    return out
-  if isinstance(value, (list, tuple)):
-    return [_check_plain(f"{key}[{i}]", v) for i, v in enumerate(value)]
-  raise ConfigError(f"{key}: unsupported value {_show(value)} (use YAML scalars, lists, mappings)")
-
-
-def _coerce(key: str, value: Any, tp: Any) -> Any:
-  """Check `value` against annotation `tp`; return it (ints become floats where float is asked)."""
-  origin = get_origin(tp)
-  if origin is Literal:
-    choices = get_args(tp)
-    if isinstance(value, str) and value in choices:
-      return value
-    hint = ""
-    if isinstance(value, str):
-      close = difflib.get_close_matches(value, choices, n=1)
-      hint = f" (did you mean {close[0]!r}?)" if close else ""
-    opts = ", ".join(repr(c) for c in choices)
-    raise ConfigError(f"{key}: expected one of {opts}, got {_show(value)}{hint}")
-  if origin is Union:
-    args = [a for a in get_args(tp) if a is not type(None)]
-    if value is None and len(args) < len(get_args(tp)):
-      return None
-    if value is None:
-      raise ConfigError(f"{key}: expected {_type_name(tp)}, got null")
-    try:
-      return _coerce(key, value, args[0])
-    except ConfigError:
-      raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}") from None
-  if tp is bool:
-    if isinstance(value, bool):
-      return value
-  elif tp is int:
-    if isinstance(value, int) and not isinstance(value, bool):
-      return value
-  elif tp is float:
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-      if not math.isfinite(value):
-        raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-      return float(value)
-  elif tp is str:
-    if isinstance(value, str):
-      return value
-  elif tp is dict:
-    if isinstance(value, Mapping):
-      return _check_plain(key, value)
-  else:  # pragma: no cover - a schema bug, not a user error
-    raise TypeError(f"{key}: unsupported annotation {tp!r}")
-  raise ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
-
-
-def _require(ok: bool, key: str, msg: str) -> None:
-  if not ok:
-    raise ConfigError(f"{key}: {msg}")
+  return "null" if value is None else f"{type(value).__name__} {value!r}"
 
 
 def _unknown_key(prefix: str, key: Any, known: Iterable[str]) -> ConfigError:
@@ -203,113 +101,127 @@ def _unknown_key(prefix: str, key: Any, known: Iterable[str]) -> ConfigError:
   known = list(known)
   close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
   if close:
-    sugg = f"{prefix}.{close[0]}" if prefix else close[0]
-    return ConfigError(f"{full}: unknown key (did you mean {sugg}?)")
+    return ConfigError(
+      f"{full}: unknown key (did you mean {f'{prefix}.' if prefix else ''}{close[0]}?)"
+    )
   return ConfigError(f"{full}: unknown key (known: {', '.join(known)})")
 
 
-_HINTS: dict[type, dict[str, Any]] = {}
+def _fields(cls: type) -> dict[str, Any]:
+  """{field: annotation} of a pydantic dataclass or model."""
+  if hasattr(cls, "model_fields"):
+    return {k: f.annotation for k, f in cls.model_fields.items()}
+  return {f.name: f.type for f in dataclasses.fields(cls)}
 
 
-def _hints(cls: type) -> dict[str, Any]:
-  if cls not in _HINTS:
-    _HINTS[cls] = get_type_hints(cls)
-  return _HINTS[cls]
+def _type_name(tp: Any) -> str:
+  args = [a for a in typing.get_args(tp) if a is not type(None)]
+  if typing.get_origin(tp) in (typing.Union, type(int | None)):
+    return " or ".join(_type_name(a) for a in args) + " or null"
+  return "mapping" if typing.get_origin(tp) is dict else getattr(tp, "__name__", str(tp))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Section:
-  """Base of the config sections: type-checks every field, then runs `_check` (ranges)."""
-
-  section: ClassVar[str] = ""
-
-  def __post_init__(self):
-    hints = _hints(type(self))
-    for f in dataclasses.fields(self):
-      key = f"{self.section}.{f.name}"
-      object.__setattr__(self, f.name, _coerce(key, getattr(self, f.name), hints[f.name]))
-    self._check()
-
-  def _check(self) -> None:
-    pass
-
-  def _key(self, name: str) -> str:
-    return f"{self.section}.{name}"
-
-  def _at_least(self, name: str, lo: float, strict: bool = False) -> None:
-    v = getattr(self, name)
-    if v is None:
-      return
-    ok = v > lo if strict else v >= lo
-    _require(ok, self._key(name), f"must be {'>' if strict else '>='} {lo}, got {v}")
+_TYPE_ERRORS = ("int_type", "int_from_float", "float_type", "bool_type", "string_type")
 
 
-# ------------------------------------------------------------------------------------------
-# Mixer options: the names and types are the mixers' own dataclass fields (mhc_jax.mixers);
-# the model handles `collapse`. Ranges a type cannot say are below; anything a mixer rejects
-# only when it builds its parameters (e.g. mhc_lite's n! permutations) train.loop.prepare finds
-# by tracing the model's initialisation, still before anything is written.
+def _error(e: pydantic.ValidationError, prefix: str, cls: type) -> ConfigError:
+  """The first error of `e` (raised validating `cls`, at dotted key `prefix`) as a ConfigError."""
+  err = e.errors(include_url=False)[0]
+  ctx, value = err.get("ctx", {}), err["input"]
+  if isinstance(ctx.get("error"), ConfigError):  # a check below that names its own key
+    return ctx["error"]
+  loc = [str(p) for p in err["loc"] if not str(p).startswith(("[", "function-"))]
+  key = ".".join([prefix, *loc[:2]] if prefix else loc[:2]) or "config"
+  tp = _fields(cls).get(loc[0]) if loc else None
+  kind = err["type"]
+  if kind in ("extra_forbidden", "unexpected_keyword_argument"):
+    return _unknown_key(prefix, loc[0], _fields(cls))
+  if kind == "literal_error":
+    choices = typing.get_args(tp)
+    close = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    opts = ", ".join(repr(c) for c in choices)
+    return ConfigError(f"{key}: expected one of {opts}, got {_show(value)}{hint}")
+  if kind in _TYPE_ERRORS or kind == "dict_type":
+    return ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
+  if kind in ("dataclass_type", "dataclass_exact_type"):
+    return ConfigError(f"{key}: expected {tp.__name__}, got {_show(value)}")
+  if kind == "finite_number":
+    return ConfigError(f"{key}: expected a finite number, got {value!r}")
+  ops = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<"}
+  ops["less_than_equal"] = "<="
+  if kind in ops:
+    bound = next(iter(ctx.values()))
+    bound = f"{bound:g}" if isinstance(bound, float) else bound
+    return ConfigError(f"{key}: must be {ops[kind]} {bound}, got {value!r}")
+  if kind == "value_error":
+    return ConfigError(f"{key}: {ctx['error']}")
+  if kind.startswith("invalid-json"):
+    return ConfigError(
+      f"{key}: unsupported value {_show(value)} (use YAML scalars, lists, mappings)"
+    )
+  return ConfigError(f"{key}: {err['msg']}, got {_show(value)}")
 
-_MODEL_OPTION_TYPES = {"collapse": Literal["sum", "learned"]}
-_OPTION_MIN = {"n": 1, "sinkhorn_iters": 1}
+
+def _section(name: str):
+  """A frozen, strict pydantic dataclass whose errors are ConfigErrors naming ``name.<key>``,
+  hashable by content (configs are jit static arguments)."""
+
+  def wrap(cls):
+    cls = pydantic.dataclasses.dataclass(
+      frozen=True, config=ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    )(cls)
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+      try:
+        init(self, *args, **kwargs)
+      except pydantic.ValidationError as e:
+        raise _error(e, name, cls) from None
+
+    cls.__init__ = __init__
+    cls.__hash__ = lambda self: hash((name, json.dumps(dataclasses.asdict(self), sort_keys=True)))
+    return cls
+
+  return wrap
 
 
-def mixer_names() -> tuple[str, ...]:
-  """Registered mixer names (``mhc_jax.mixers.names()``)."""
-  from mhc_jax import mixers  # lazy: imports jax and flax
-
-  return tuple(mixers.names())
-
-
-def mixer_option_types(mixer: str) -> dict[str, Any]:
-  """{option: type} of `mixer`: its dataclass fields (Flax internals left out) and the options
-  the model handles around it."""
-  from mhc_jax import mixers
-
-  cls = type(mixers.get(mixer))
-  hints = _hints(cls)
-  return {**{k: hints[k] for k in mixers.options(mixer)}, **_MODEL_OPTION_TYPES}
-
-
-def mixer_option_names(mixer: str) -> tuple[str, ...]:
-  return tuple(mixer_option_types(mixer))
-
-
-def _check_mixer_options(mixer: str, opts: dict) -> dict:
-  prefix = "model.mixer_options"
-  types = mixer_option_types(mixer)
-  out = {}
-  for k, v in opts.items():
-    if k not in types:
-      every = sorted({o for m in mixer_names() for o in mixer_option_types(m)})
-      if k not in every:
-        raise _unknown_key(prefix, k, every)
-      raise ConfigError(
-        f"{prefix}.{k}: not an option of mixer {mixer!r} (it takes: {', '.join(types)})"
-      )
-    v = _coerce(f"{prefix}.{k}", v, types[k])
-    if k in _OPTION_MIN and v < _OPTION_MIN[k]:
-      raise ConfigError(f"{prefix}.{k}: must be >= {_OPTION_MIN[k]}, got {v!r}")
-    out[k] = v
-  if mixer == "residual" and out.get("n", 1) != 1:
-    raise ConfigError(f"{prefix}.n: the residual mixer has exactly one stream, got {out['n']}")
-  return out
+def _require(ok: bool, key: str, msg: str) -> None:
+  if not ok:
+    raise ConfigError(f"{key}: {msg}")
 
 
 # ------------------------------------------------------------------------------------------
 # The sections.
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelConfig(_Section):
+def _check_mixer_options(mixer: str, opts: dict) -> dict:
+  """`opts` checked against `mixer`'s typed options; the keys set, their values typed."""
+  prefix, model = "model.mixer_options", OPTIONS[mixer]
+  for k in opts:
+    if k not in model.model_fields:
+      every = all_option_names()
+      if k not in every:
+        raise _unknown_key(prefix, k, every)
+      raise ConfigError(
+        f"{prefix}.{k}: not an option of mixer {mixer!r} (it takes: {', '.join(model.model_fields)})"
+      )
+  try:
+    typed = model.model_validate(opts)
+  except pydantic.ValidationError as e:
+    raise _error(e, prefix, model) from None
+  return {k: getattr(typed, k) for k in opts}
+
+
+@_section("model")
+class ModelConfig:
   """The decoder Transformer and its residual mixer."""
 
-  section: ClassVar[str] = "model"
-  vocab: Optional[int] = None  # None: take it from the data source (see with_data_vocab)
-  depth: int = 4  # number of blocks L (2L mixer layers)
-  width: int = 64
-  heads: int = 4
-  mlp_ratio: float = 4.0
+  vocab: Optional[int] = Field(None, ge=2)  # None: from the data source (see with_data_vocab)
+  depth: int = Field(4, ge=1)  # number of blocks L (2L mixer layers)
+  width: int = Field(64, ge=1)
+  heads: int = Field(4, ge=1)
+  mlp_ratio: float = Field(4.0, gt=0)
   rope: bool = True
   qk_norm: bool = False
   tied_embeddings: bool = True
@@ -318,7 +230,7 @@ class ModelConfig(_Section):
   # fewer made the step ~1.3x faster (docs/performance.md). Same numbers to rounding.
   remat: Literal["none", "full", "dots"] = "dots"
   scan: bool = True
-  scan_unroll: int = 1  # blocks per nn.scan iteration (>1 trades compile time for speed)
+  scan_unroll: int = Field(1, ge=1)  # blocks per nn.scan iteration (>1: longer compile, faster)
   dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
   # the attention's value path (mhc_jax/model/layers.py, docs/performance.md): "auto" picks
   # "cudnn" (cuDNN flash attention) on NVIDIA GPUs in bfloat16, "xla" elsewhere; both through
@@ -326,218 +238,177 @@ class ModelConfig(_Section):
   attention: Literal["auto", "xla", "cudnn", "materialized"] = "auto"
   param_dtype: Literal["float32"] = "float32"  # parameters and optimiser state stay float32
   init: Literal["standard", "depth_scaled"] = "standard"
-  init_scale: float = 1.0
+  init_scale: float = Field(1.0, gt=0)
   mixer: str = "residual"
-  mixer_options: dict = dataclasses.field(default_factory=dict)
+  mixer_options: dict[str, Any] = Field(default_factory=dict)  # mhc_jax.mixer_options
 
-  def _check(self):
-    self._at_least("vocab", 2)
-    for name in ("depth", "width", "heads", "scan_unroll"):
-      self._at_least(name, 1)
-    self._at_least("mlp_ratio", 0, strict=True)
-    self._at_least("init_scale", 0, strict=True)
-    _require(
-      self.width % self.heads == 0,
-      "model.heads",
-      f"{self.heads} does not divide model.width={self.width}",
-    )
-    head_dim = self.width // self.heads
-    _require(
-      not self.rope or head_dim % 2 == 0,
-      "model.rope",
-      f"needs an even head dim, got model.width/model.heads = {self.width}/{self.heads}"
-      f" = {head_dim}",
-    )
-    _require(
-      self.attention != "cudnn" or (self.dtype == "bfloat16" and head_dim % 8 == 0),
-      "model.attention",
-      f"'cudnn' needs model.dtype=bfloat16 and a head dim that is a multiple of 8, got"
-      f" {self.dtype} and {head_dim} (model.attention: auto falls back to xla by itself)",
-    )
-    _require(
-      int(self.width * self.mlp_ratio) >= 1,
-      "model.mlp_ratio",
-      f"{self.mlp_ratio} * model.width={self.width} leaves no MLP hidden units",
-    )
-    names = mixer_names()
-    if self.mixer not in names:
-      close = difflib.get_close_matches(self.mixer, names, n=1)
+  @field_validator("mixer")
+  @classmethod
+  def _known_mixer(cls, mixer: str) -> str:
+    if mixer not in OPTIONS:
+      close = difflib.get_close_matches(mixer, OPTIONS, n=1)
       hint = f" (did you mean {close[0]}?)" if close else ""
+      raise ConfigError(f"model.mixer: unknown mixer {mixer!r}{hint}; known: {', '.join(OPTIONS)}")
+    return mixer
+
+  @field_validator("mixer_options")
+  @classmethod
+  def _mixer_options(cls, opts: dict, info: pydantic.ValidationInfo) -> dict:
+    mixer = info.data.get("mixer")
+    return opts if mixer is None else _check_mixer_options(mixer, opts)
+
+  @model_validator(mode="after")
+  def _shapes(self):
+    if self.width % self.heads:
+      raise ConfigError(f"model.heads: {self.heads} does not divide model.width={self.width}")
+    head_dim = self.width // self.heads
+    if self.rope and head_dim % 2:
       raise ConfigError(
-        f"model.mixer: unknown mixer {self.mixer!r}{hint}; known: {', '.join(names)}"
+        f"model.rope: needs an even head dim, got model.width/model.heads ="
+        f" {self.width}/{self.heads} = {head_dim}"
       )
-    object.__setattr__(self, "mixer_options", _check_mixer_options(self.mixer, self.mixer_options))
-
-
-@dataclasses.dataclass(frozen=True)
-class DataConfig(_Section):
-  """The data source. `options` are task-specific and free-form (the data module reads them)."""
-
-  section: ClassVar[str] = "data"
-  task: Literal["bijection", "hmm", "text", "tfds"] = "bijection"
-  seq_len: int = 64
-  batch_size: int = 32  # global, over all devices and processes
-  target: Literal["sample", "posterior"] = "sample"
-  options: dict = dataclasses.field(default_factory=dict)
-  eval_batches: int = 4
-
-  def _check(self):
-    self._at_least("seq_len", 1)
-    self._at_least("batch_size", 1)
-    self._at_least("eval_batches", 0)
-    _require(
-      self.target != "posterior" or self.task in POSTERIOR_TASKS,
-      "data.target",
-      f"'posterior' needs a task with an exact posterior"
-      f" ({', '.join(POSTERIOR_TASKS)}), got data.task={self.task!r}",
-    )
-    allowed = data_option_names(self.task)
-    if allowed is not None:
-      for k in self.options:
-        if k not in allowed:
-          raise _unknown_key("data.options", k, sorted(allowed))
+    if self.attention == "cudnn" and (self.dtype != "bfloat16" or head_dim % 8):
+      raise ConfigError(
+        f"model.attention: 'cudnn' needs model.dtype=bfloat16 and a head dim that is a multiple"
+        f" of 8, got {self.dtype} and {head_dim} (model.attention: auto falls back to xla)"
+      )
+    if int(self.width * self.mlp_ratio) < 1:
+      raise ConfigError(
+        f"model.mlp_ratio: {self.mlp_ratio} * model.width={self.width} leaves no MLP hidden units"
+      )
+    return self
 
 
 def data_option_names(task: str) -> Optional[set[str]]:
-  """Option keys data source `task` takes (from ``mhc_jax.data.SOURCES``), or None when that
-  cannot be told without heavy imports (tfds) or the data module is not there."""
+  """Option keys data source `task` takes (from ``mhc_jax.data.SOURCES``, which imports jax), or
+  None when that cannot be told without heavy imports (tfds)."""
   if task == "tfds":
     return None
-  try:
-    from mhc_jax import data  # lazy: imports jax
+  from mhc_jax import data
 
-    return set(data.SOURCES[task][1]())
-  except (ImportError, AttributeError, KeyError, IndexError, TypeError):
-    return None
+  return set(data.SOURCES[task][1]())
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig(_Section):
+@_section("data")
+class DataConfig:
+  """The data source. `options` are the source's own (checked against it when set)."""
+
+  task: Literal["bijection", "hmm", "text", "tfds"] = "bijection"
+  seq_len: int = Field(64, ge=1)
+  batch_size: int = Field(32, ge=1)  # global, over all devices and processes
+  target: Literal["sample", "posterior"] = "sample"
+  options: dict[str, JsonValue] = Field(default_factory=dict)
+  eval_batches: int = Field(4, ge=0)
+
+  @model_validator(mode="after")
+  def _task(self):
+    if self.target == "posterior" and self.task not in POSTERIOR_TASKS:
+      raise ConfigError(
+        f"data.target: 'posterior' needs a task with an exact posterior"
+        f" ({', '.join(POSTERIOR_TASKS)}), got data.task={self.task!r}"
+      )
+    allowed = data_option_names(self.task) if self.options else None
+    for k in sorted(set(self.options) - allowed) if allowed is not None else ():
+      raise _unknown_key("data.options", k, sorted(allowed))
+    return self
+
+
+@_section("optim")
+class OptimConfig:
   """AdamW with warm-up and decay, global-norm clipping, masked weight decay."""
 
-  section: ClassVar[str] = "optim"
-  lr: float = 3e-3  # peak learning rate
+  lr: float = Field(3e-3, gt=0)  # peak learning rate
   schedule: Literal["cosine", "linear", "constant"] = "cosine"
-  warmup_steps: int = 100
-  min_lr_ratio: float = 0.1  # final lr = min_lr_ratio * lr (cosine, linear)
-  b1: float = 0.9
-  b2: float = 0.95
-  eps: float = 1e-8
-  weight_decay: float = 0.1
+  warmup_steps: int = Field(100, ge=0)
+  min_lr_ratio: float = Field(0.1, ge=0, le=1)  # final lr = min_lr_ratio * lr (cosine, linear)
+  b1: float = Field(0.9, ge=0, lt=1)
+  b2: float = Field(0.95, ge=0, lt=1)
+  eps: float = Field(1e-8, ge=0)
+  weight_decay: float = Field(0.1, ge=0)
   # False: decay multiplied by the scheduled lr (optax / PyTorch AdamW).
   # True: decay per step = weight_decay * lr(t)/lr, independent of the peak lr.
   independent_wd: bool = False
-  clip: Optional[float] = 1.0  # global-norm clip; 0 or null turns it off
+  clip: Optional[float] = Field(1.0, ge=0)  # global-norm clip; 0 or null turns it off
 
-  def _check(self):
-    self._at_least("lr", 0, strict=True)
-    self._at_least("warmup_steps", 0)
-    _require(
-      0.0 <= self.min_lr_ratio <= 1.0,
-      "optim.min_lr_ratio",
-      f"must be in [0, 1], got {self.min_lr_ratio}",
-    )
-    for name in ("b1", "b2"):
-      v = getattr(self, name)
-      _require(0.0 <= v < 1.0, self._key(name), f"must be in [0, 1), got {v}")
-    self._at_least("eps", 0)
-    self._at_least("weight_decay", 0)
-    _require(
-      not self.independent_wd or self.weight_decay < 1.0,
-      "optim.weight_decay",
-      f"with optim.independent_wd the decay is applied per step (not multiplied by the"
-      f" lr), so it must be < 1 (typically ~1e-4), got {self.weight_decay}",
-    )
-    self._at_least("clip", 0)
+  @model_validator(mode="after")
+  def _decay(self):
+    if self.independent_wd and self.weight_decay >= 1:
+      raise ConfigError(
+        f"optim.weight_decay: with optim.independent_wd the decay is applied per step (not"
+        f" multiplied by the lr), so it must be < 1 (typically ~1e-4), got {self.weight_decay}"
+      )
+    return self
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainConfig(_Section):
+@_section("train")
+class TrainConfig:
   """The loop: length, logging cadence, checkpoints, the non-finite and spike policies."""
 
-  section: ClassVar[str] = "train"
-  steps: int = 200
+  steps: int = Field(200, ge=1)
   seed: int = 0
-  log_every: int = 1
-  diag_every: int = 10  # per-layer diagnostics; 0 = off
-  eval_every: int = 0  # 0 = off
-  ckpt_every: int = 0  # 0 = off
-  keep_ckpts: int = 2
+  log_every: int = Field(1, ge=1)
+  diag_every: int = Field(10, ge=0)  # per-layer diagnostics; 0 = off
+  eval_every: int = Field(0, ge=0)  # 0 = off
+  ckpt_every: int = Field(0, ge=0)  # 0 = off
+  keep_ckpts: int = Field(2, ge=1)
   nonfinite: Literal["skip", "halt"] = "skip"
-  z_loss: float = 0.0
-  spike_window: int = 128
-  spike_threshold: float = 6.0  # in standard deviations of the trailing window
+  z_loss: float = Field(0.0, ge=0)
+  spike_window: int = Field(128, ge=3)  # spikes.RollingSpikeDetector needs 3
+  spike_threshold: float = Field(6.0, gt=0)  # in standard deviations of the trailing window
   halt_on_divergence: bool = False
   tensorboard: bool = False  # also write TensorBoard event files to <run>/tb (extra: tb)
   # How a population's members share one program (mhc_jax.sweep.population): "vmap" batches
   # them (accelerators: bigger kernels); "unroll" writes one step per member into the program
   # (the CPU, mixers with many small ops: 4 mhc members 1.35x faster, compile 2.5x slower).
   population_mode: Literal["vmap", "unroll"] = "vmap"
-  # Fault injection for testing the non-finite policy: the loss at this step is made NaN.
-  inject_nonfinite_at: int = -1
-
-  def _check(self):
-    self._at_least("steps", 1)
-    self._at_least("log_every", 1)
-    for name in ("diag_every", "eval_every", "ckpt_every", "z_loss"):
-      self._at_least(name, 0)
-    self._at_least("keep_ckpts", 1)
-    self._at_least("spike_window", 3)  # spikes.RollingSpikeDetector needs 3
-    self._at_least("spike_threshold", 0, strict=True)
+  inject_nonfinite_at: int = -1  # no longer read (tests wrap the data source); kept for the hash
 
 
-@dataclasses.dataclass(frozen=True)
-class MeshConfig(_Section):
+@_section("mesh")
+class MeshConfig:
   """Device mesh sizes for the axes (data, fsdp, tensor); -1 = the remaining devices."""
 
-  section: ClassVar[str] = "mesh"
   data: int = -1
   fsdp: int = 1
   tensor: int = 1
 
-  def _check(self):
-    for name in ("data", "fsdp", "tensor"):
-      v = getattr(self, name)
-      _require(v == -1 or v >= 1, self._key(name), f"must be >= 1 or -1, got {v}")
-    fill = [n for n in ("data", "fsdp", "tensor") if getattr(self, n) == -1]
-    _require(
-      len(fill) <= 1,
-      "mesh",
-      "at most one axis may be -1, got " + ", ".join(f"mesh.{n}=-1" for n in fill),
-    )
+  @model_validator(mode="after")
+  def _sizes(self):
+    sizes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+    for k, v in sizes.items():
+      _require(v == -1 or v >= 1, f"mesh.{k}", f"must be >= 1 or -1, got {v}")
+    fill = [f"mesh.{k}=-1" for k, v in sizes.items() if v == -1]
+    _require(len(fill) <= 1, "mesh", "at most one axis may be -1, got " + ", ".join(fill))
+    return self
 
 
-_COORD_RE = re.compile(r"^(?:\[[0-9a-fA-F:.]+\]|[^:\s\[\]]+):\d{1,5}$")
-
-
-@dataclasses.dataclass(frozen=True)
-class DistConfig(_Section):
+@_section("dist")
+class DistConfig:
   """Multi-process start-up (jax.distributed.initialize). Unset fields may come from the
   environment (MHC_COORDINATOR, MHC_NUM_PROCESSES, MHC_PROCESS_ID): see resolve_dist."""
 
-  section: ClassVar[str] = "dist"
   enabled: bool = False
   coordinator: Optional[str] = None  # "host:port"
-  num_processes: Optional[int] = None
-  process_id: Optional[int] = None
+  num_processes: Optional[int] = Field(None, ge=1)
+  process_id: Optional[int] = Field(None, ge=0)
 
-  def _check(self):
-    _require(
-      self.coordinator is None or bool(_COORD_RE.match(self.coordinator)),
-      "dist.coordinator",
-      f"expected 'host:port', got {self.coordinator!r}",
-    )
-    self._at_least("num_processes", 1)
-    self._at_least("process_id", 0)
-    if self.num_processes is not None and self.process_id is not None:
-      _require(
-        self.process_id < self.num_processes,
-        "dist.process_id",
-        f"{self.process_id} is not below dist.num_processes={self.num_processes}",
+  @field_validator("coordinator")
+  @classmethod
+  def _host_port(cls, v: Optional[str]) -> Optional[str]:
+    if v is not None and not re.match(r"^(?:\[[0-9a-fA-F:.]+\]|[^:\s\[\]]+):\d{1,5}$", v):
+      raise ValueError(f"expected 'host:port', got {v!r}")
+    return v
+
+  @model_validator(mode="after")
+  def _id(self):
+    if None not in (self.process_id, self.num_processes) and self.process_id >= self.num_processes:
+      raise ConfigError(
+        f"dist.process_id: {self.process_id} is not below dist.num_processes={self.num_processes}"
       )
+    return self
 
 
-SECTIONS: dict[str, type[_Section]] = {
+SECTIONS = {
   "model": ModelConfig,
   "data": DataConfig,
   "optim": OptimConfig,
@@ -545,34 +416,31 @@ SECTIONS: dict[str, type[_Section]] = {
   "mesh": MeshConfig,
   "dist": DistConfig,
 }
+_TOP_KEYS = ("name", *SECTIONS)
 
 
-@dataclasses.dataclass(frozen=True)
+@_section("")
 class Config:
   """A whole run. Build with load_config / from_dict; change with dataclasses.replace or
   with_overrides (both re-validate)."""
 
   name: str = "run"
-  model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-  data: DataConfig = dataclasses.field(default_factory=DataConfig)
-  optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
-  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
-  dist: DistConfig = dataclasses.field(default_factory=DistConfig)
+  model: ModelConfig = Field(default_factory=ModelConfig)
+  data: DataConfig = Field(default_factory=DataConfig)
+  optim: OptimConfig = Field(default_factory=OptimConfig)
+  train: TrainConfig = Field(default_factory=TrainConfig)
+  mesh: MeshConfig = Field(default_factory=MeshConfig)
+  dist: DistConfig = Field(default_factory=DistConfig)
 
-  def __post_init__(self):
-    _coerce("name", self.name, str)
+  @model_validator(mode="after")
+  def _across(self):
     _require(
       bool(self.name.strip())
-      and "/" not in self.name
-      and "\\" not in self.name
+      and not re.search(r"[/\\]", self.name)
       and self.name not in (".", ".."),
       "name",
       f"must be a non-empty name without path separators, got {self.name!r}",
     )
-    for key, cls in SECTIONS.items():
-      v = getattr(self, key)
-      _require(isinstance(v, cls), key, f"expected {cls.__name__}, got {_show(v)}")
     _require(
       self.optim.warmup_steps <= self.train.steps,
       "optim.warmup_steps",
@@ -584,21 +452,7 @@ class Config:
       f"0 with train.eval_every={self.train.eval_every} would evaluate nothing; set "
       f"data.eval_batches >= 1, or train.eval_every=0 to turn evaluation off",
     )
-
-
-_TOP_KEYS = ("name", *SECTIONS)
-
-
-def _content_hash(self) -> int:
-  # dataclass's generated hash fails on the dict fields; configs are used as jit static args.
-  return hash(
-    (type(self).__name__, json.dumps(dataclasses.asdict(self), sort_keys=True, default=repr))
-  )
-
-
-for _cls in (*SECTIONS.values(), Config):
-  _cls.__hash__ = _content_hash  # type: ignore[method-assign]
-del _cls
+    return self
 
 
 # ------------------------------------------------------------------------------------------
@@ -612,8 +466,7 @@ def to_dict(cfg: Config) -> dict:
 
 def from_dict(d: Mapping | None) -> Config:
   """A validated Config from a nested dict; missing keys take defaults, unknown keys are errors."""
-  if d is None:
-    d = {}
+  d = {} if d is None else d
   if not isinstance(d, Mapping):
     raise ConfigError(
       f"config: expected a mapping of sections ({', '.join(_TOP_KEYS)}), got {_show(d)}"
@@ -621,21 +474,16 @@ def from_dict(d: Mapping | None) -> Config:
   for k in d:
     if k not in _TOP_KEYS:
       raise _unknown_key("", k, _TOP_KEYS)
-  kwargs: dict[str, Any] = {}
-  if "name" in d:
-    kwargs["name"] = d["name"]
+  kwargs: dict[str, Any] = {k: d[k] for k in d if k == "name"}
   for key, cls in SECTIONS.items():
-    sub = d.get(key)
-    if sub is None:  # absent, or `model:` with nothing under it
-      sub = {}
-    if isinstance(sub, _Section):
+    sub = d.get(key) or {}  # absent, or `model:` with nothing under it
+    if isinstance(sub, cls):
       sub = dataclasses.asdict(sub)
     if not isinstance(sub, Mapping):
       raise ConfigError(f"{key}: expected a mapping, got {_show(sub)}")
-    names = [f.name for f in dataclasses.fields(cls)]
     for k in sub:
-      if k not in names:
-        raise _unknown_key(key, k, names)
+      if not isinstance(k, str) or k not in _fields(cls):
+        raise _unknown_key(key, k, _fields(cls))
     kwargs[key] = cls(**sub)
   return Config(**kwargs)
 
@@ -659,28 +507,25 @@ def apply_overrides(cfg_dict: Mapping | None, overrides: Any = ()) -> dict:
   """A copy of a nested config dict with dotted-key overrides applied.
 
   `overrides` is a sequence of 'a.b=VALUE' strings or (key, value) pairs, or a mapping
-  {dotted key: value} (the form sweep axes take). Missing intermediate sections are created,
-  so new keys can be added to free-form dicts (model.mixer_options.n=4); whether a key is
-  allowed is checked by from_dict afterwards.
+  {dotted key: value} (the form sweep axes take). Missing intermediate sections are created
+  (model.mixer_options.n=4); whether a key is allowed is checked by from_dict afterwards.
   """
   out = copy.deepcopy(dict(cfg_dict or {}))
   if isinstance(overrides, str):
     overrides = [overrides]
-  items = overrides.items() if isinstance(overrides, Mapping) else overrides
-  for item in items:
+  for item in overrides.items() if isinstance(overrides, Mapping) else overrides:
     key, value = parse_override(item) if isinstance(item, str) else item
     if not isinstance(key, str) or not key or any(not p for p in key.split(".")):
       raise ConfigError(f"override {key!r}: malformed dotted key")
     parts = key.split(".")
     node = out
     for i, part in enumerate(parts[:-1]):
-      nxt = node.get(part)
-      if nxt is None:
-        nxt = node[part] = {}
-      elif not isinstance(nxt, dict):
+      if node.get(part) is None:
+        node[part] = {}
+      elif not isinstance(node[part], dict):
         where = ".".join(parts[: i + 1])
-        raise ConfigError(f"{where}: is {_show(nxt)}, not a section; cannot set {key}")
-      node = nxt
+        raise ConfigError(f"{where}: is {_show(node[part])}, not a section; cannot set {key}")
+      node = node[part]
     node[parts[-1]] = copy.deepcopy(value)
   return out
 
@@ -702,18 +547,15 @@ def _read_yaml(path) -> dict:
   except yaml.YAMLError as e:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     line = f" at line {mark.line + 1}" if mark is not None else ""
-    problem = getattr(e, "problem", None) or str(e)
-    raise ConfigError(f"{where}: invalid YAML{line}: {problem}") from None
+    raise ConfigError(f"{where}: invalid YAML{line}: {getattr(e, 'problem', None) or e}") from None
   except (OSError, UnicodeDecodeError) as e:
     raise ConfigError(f"{where}: cannot read ({e})") from None
-  if d is None:
-    return {}
-  if not isinstance(d, dict):
+  if d is not None and not isinstance(d, dict):
     raise ConfigError(
       f"{where}: top level must be a mapping of sections"
       f" ({', '.join(_TOP_KEYS)}), got {type(d).__name__}"
     )
-  return d
+  return d or {}
 
 
 def check_paths(cfg: Config) -> None:
@@ -721,20 +563,17 @@ def check_paths(cfg: Config) -> None:
 
   A text task without a path reads the default corpus (the Python standard library sources).
   """
-  opts = cfg.data.options
-  if cfg.data.task in ("text", "tfds"):
-    for name in ("path", "data_dir"):
-      if name in opts:
-        p = opts[name]
-        key = f"data.options.{name}"
-        _require(isinstance(p, str) and bool(p), key, f"expected a path, got {_show(p)}")
-        p = os.path.expanduser(p)
-        found = glob.glob(p) if glob.has_magic(p) else os.path.exists(p)
-        _require(
-          bool(found),
-          key,
-          f"{p} does not exist" if not glob.has_magic(p) else f"{p} matches no files",
-        )
+  if cfg.data.task not in ("text", "tfds"):
+    return
+  for name in ("path", "data_dir"):
+    if name in cfg.data.options:
+      p, key = cfg.data.options[name], f"data.options.{name}"
+      _require(isinstance(p, str) and bool(p), key, f"expected a path, got {_show(p)}")
+      p = os.path.expanduser(p)
+      if glob.has_magic(p):
+        _require(bool(glob.glob(p)), key, f"{p} matches no files")
+      else:
+        _require(os.path.exists(p), key, f"{p} does not exist")
 
 
 def load_config(
@@ -761,10 +600,17 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
   storage.write_text_atomic(path, header + body)
 
 
+# Keys since removed from the config, with the one value they had: hashed as before, so run
+# directories and sweeps made before the removal keep their hashes.
+_RETIRED: dict[str, dict[str, Any]] = {}
+
+
 def config_hash(cfg: Config, length: int = 10) -> str:
   """Short stable hash of what determines a run's results (everything except `dist`)."""
   d = to_dict(cfg)
   d.pop("dist")
+  for section, keys in _RETIRED.items():
+    d[section].update(keys)
   blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
   return hashlib.sha256(blob.encode()).hexdigest()[:length]
 
@@ -782,9 +628,7 @@ def validate_mesh(
   """
   sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
   fixed = math.prod(v for v in sizes.values() if v != -1)
-  fill = [k for k, v in sizes.items() if v == -1]
-  if fill:
-    (axis,) = fill
+  for axis in [k for k, v in sizes.items() if v == -1]:
     others = "*".join(k for k in sizes if k != axis)
     _require(
       n_devices % fixed == 0,
@@ -796,13 +640,12 @@ def validate_mesh(
   _require(
     total == n_devices, "mesh", f"data*fsdp*tensor = {total} does not match {n_devices} devices"
   )
-  if batch_size is not None:
-    split = sizes["data"] * sizes["fsdp"]
-    _require(
-      batch_size % split == 0,
-      "data.batch_size",
-      f"{batch_size} is not divisible by mesh data*fsdp = {split}",
-    )
+  split = sizes["data"] * sizes["fsdp"]
+  _require(
+    batch_size is None or batch_size % split == 0,
+    "data.batch_size",
+    f"{batch_size} is not divisible by mesh data*fsdp = {split}",
+  )
   return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
@@ -823,15 +666,12 @@ def resolve_dist(dist: DistConfig, environ: Mapping[str, str] | None = None) -> 
   updates: dict[str, Any] = {}
   for field, (var, tp) in _DIST_ENV.items():
     raw = env.get(var)
-    if raw is None or raw == "" or getattr(dist, field) is not None:
+    if not raw or getattr(dist, field) is not None:
       continue
-    if tp is int:
-      try:
-        updates[field] = int(raw.strip())
-      except ValueError:
-        raise ConfigError(f"{var}: expected int, got {raw!r}") from None
-    else:
-      updates[field] = raw.strip()
+    try:
+      updates[field] = tp(raw.strip())
+    except ValueError:
+      raise ConfigError(f"{var}: expected int, got {raw!r}") from None
   if env.get("MHC_COORDINATOR"):
     updates["enabled"] = True
   return dataclasses.replace(dist, **updates) if updates else dist
@@ -845,10 +685,9 @@ def with_data_vocab(cfg: Config, vocab: int | None) -> Config:
   if cfg.model.vocab is None:
     v = vocab if vocab is not None else DEFAULT_VOCAB
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab=v))
-  if vocab is not None:
-    _require(
-      cfg.model.vocab >= vocab,
-      "model.vocab",
-      f"{cfg.model.vocab} is smaller than the data's vocabulary {vocab}",
-    )
+  _require(
+    vocab is None or cfg.model.vocab >= vocab,
+    "model.vocab",
+    f"{cfg.model.vocab} is smaller than the data's vocabulary {vocab}",
+  )
   return cfg
