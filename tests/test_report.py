@@ -1007,3 +1007,16 @@ def test_arms_that_share_a_mixer_are_compared(arm_sweep):
   assert row["n_pairs"] == 3 and row["diff_mean"] == pytest.approx(0.3) and row["significant"]
   text = finding(table)
   assert "mhc (stream_init=symmetric)" in text, text
+
+
+def test_screen_fits_a_screen_and_says_the_sentence(seeded):
+  from mhc_jax.sweep.report import SCREEN_COLUMNS, screen
+
+  root, paths = seeded
+  text = screen(root)
+  table = summary_table(root)
+  assert finding(table) in text and paths["summary_csv"] in text
+  head = text.splitlines()[0].strip("| ").split(" | ")
+  assert head == ["mixer", "depth", "seed", *[c for c in SCREEN_COLUMNS if table[c].notna().any()]]
+  assert len(head) <= 9 and len(table.columns) > 30  # the few that matter; the CSV has all
+  assert max(len(ln) for ln in text.splitlines()[: len(table) + 2]) <= 160

@@ -66,6 +66,8 @@ __all__ = [
   "paired_table",
   "finding",
   "write_report",
+  "SCREEN_COLUMNS",
+  "screen",
 ]
 
 #: Fraction of the logged losses averaged into ``final_loss`` (at least one value).
@@ -1274,6 +1276,33 @@ def _composite_note() -> str:
     + COMPOSITE_SENTENCES["token-averaged"]
     + " "
     + COMPOSITE_SENTENCES["per-token"]
+  )
+
+
+#: The columns the sweep command prints (after the run's identifying columns); summary.csv has
+#: every column.
+SCREEN_COLUMNS = [
+  "status",
+  "eval_loss",
+  "kl_bits",
+  "spike_count",
+  "amax_fwd_composite_max",
+  "amax_fwd_composite_tok_mean_max",
+]
+
+
+def screen(sweep_dir: str | os.PathLike) -> str:
+  """What a sweep prints when it ends: one row per run with the run's axes and the
+  :data:`SCREEN_COLUMNS` that some run has, the sentence (:func:`finding`) and where the full
+  table is."""
+  table = summary_table(sweep_dir)
+  ids = [c for c in table.attrs["id_columns"] if c != "run" and c in table.attrs["axes"].values()]
+  shown = [c for c in SCREEN_COLUMNS if table[c].notna().any() or c == "status"]
+  out = Path(sweep_dir) / "report" / "summary.csv"
+  return (
+    md_table(table[(ids or ["run"]) + shown])
+    + finding(table)
+    + f"\nEvery column, with its definition: {out} and summary.md beside it."
   )
 
 
