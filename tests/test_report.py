@@ -1,6 +1,5 @@
 """Sweep report (mhc_jax.sweep.report / plots) on synthetic run directories (tests/fixtures_logs.py)."""
 
-import html
 import json
 import math
 import re
@@ -175,12 +174,12 @@ def test_write_report_files(sweep):
     data = p.read_bytes()
     assert data[:8] == PNG and len(data) > 8_000, p.name
   assert {Path(v) for k, v in paths.items() if v.endswith(".png")} == set(pngs)
-  page = (out / "index.html").read_text()
-  assert set(re.findall(r'<img src="([^"]+)"', page)) == {p.name for p in pngs}
-  assert "<table" in page and all(n in page for n in summary_table(root)["run"])
-  assert "lr_sensitivity" in page and "<figcaption>" in page
+  page = (out / "summary.md").read_text()
+  assert set(re.findall(r"!\[[^\]]*\]\(([^)]+)\)", page)) == {p.name for p in pngs}
+  assert all(f"| {n} |" in page for n in summary_table(root)["run"])
+  assert "lr_sensitivity" in page and "Wortsman et al.'s LR sensitivity" in page  # a caption
   assert (out / "summary.md").read_text().count("\n| ") >= 20
-  assert paths["index_html"] == str(out / "index.html")
+  assert paths["summary_md"] == str(out / "summary.md") and not (out / "index.html").exists()
 
 
 def test_summary_csv_round_trips(sweep):
@@ -196,13 +195,14 @@ def test_summary_csv_round_trips(sweep):
     np.testing.assert_array_equal(pd.to_numeric(csv[c]).to_numpy(float), want, err_msg=c)
 
 
-def test_page_says_what_is_missing(sweep):
+def test_report_says_what_is_missing(sweep):
   root, _ = sweep
-  page = (root / "report" / "index.html").read_text()
+  page = (root / "report" / "summary.md").read_text()
   assert "mhc_lite_pending (pending) has no metrics yet" in page
   assert "mhc_lite_failed (failed) has no metrics yet" in page
   assert f"Run {DIVERGED}: final_loss is NaN" in page
-  assert re.search(r'<td class="num bad">inf</td>', page)  # the diverged run's max grad norm
+  div = next(ln for ln in page.splitlines() if ln.startswith(f"| {DIVERGED} |"))
+  assert " inf |" in div  # the diverged run's max grad norm
 
 
 def test_no_lr_axis(tmp_path):
@@ -215,7 +215,7 @@ def test_no_lr_axis(tmp_path):
   paths = write_report(root, max_heatmaps=1)
   assert "lr_sensitivity" not in paths and "lr_sensitivity_csv" not in paths
   assert not (root / "report" / "lr_sensitivity.png").exists()
-  page = Path(paths["index_html"]).read_text()
+  page = Path(paths["summary_md"]).read_text()
   assert "no learning-rate axis" in page and "mhc_lite_pending (pending) has no metrics yet" in page
   assert len([k for k in paths if k.startswith("heatmap:")]) == 1
 
@@ -420,11 +420,11 @@ def test_paired_csv_recomputed_from_raw_logs(seeded):
   assert gain["ratio_ci_hi"] < 1 and gain["significant"]  # mhc's gain below hc's, every seed
 
 
-def test_seed_sections_on_the_page(seeded):
+def test_seed_sections_in_summary_md(seeded):
   root, paths = seeded
-  page = Path(paths["index_html"]).read_text()
-  assert "Groups over seeds" in page and "Student t" in page and 'href="groups.csv"' in page
-  assert "Paired differences between mixers" in page and 'href="paired.csv"' in page
+  page = Path(paths["summary_md"]).read_text()
+  assert "Groups over seeds" in page and "Student t" in page and "groups.csv has" in page
+  assert "Paired differences between mixers" in page and "paired.csv has" in page
   md = Path(paths["summary_md"]).read_text()
   assert re.search(
     r"\| hc \| 4 \| .*\| 3 \| [0-9.]+ \[[0-9.]+, [0-9.]+\]", md
@@ -504,9 +504,9 @@ def test_per_token_and_averaged_composite_side_by_side(seeded):
   assert (
     row["amax_fwd_composite_tok_mean_max"] > row["amax_fwd_composite_max"]
   )  # what averaging hides
-  page = Path(paths["index_html"]).read_text()
+  page = Path(paths["summary_md"]).read_text()
   for sentence in COMPOSITE_SENTENCES.values():
-    assert html.escape(sentence) in page
+    assert sentence in page
   assert "per-token" in Path(paths["summary_md"]).read_text()
 
 
@@ -524,11 +524,9 @@ def test_old_logs_show_the_new_metrics_as_missing(tmp_path):
   md = Path(paths["summary_md"]).read_text()
   hc_line = next(ln for ln in md.splitlines() if ln.startswith("| hc_L2"))
   assert hc_line.split(" | ").count("n/a") == len(LATER_COLUMNS) and "NaN" not in hc_line
-  page = Path(paths["index_html"]).read_text()
-  assert (
-    page.count('<td class="na"') == len(LATER_COLUMNS) * 2
-    and "written before these metrics existed" in page
-  )
+  rows = [ln for ln in md.splitlines() if ln.startswith(("| hc_L2", "| mhc_L2"))]
+  assert sum(ln.split(" | ").count("n/a") for ln in rows) == len(LATER_COLUMNS) * 2
+  assert "written before these metrics existed" in md
   groups = pd.read_csv(paths["groups_csv"])
   assert groups["amax_fwd_composite_tok_mean_max_gmean"].isna().all()
 
@@ -652,13 +650,13 @@ def test_finding_on_edge_cases(seeded):
   assert text.endswith("(geometric means over 3 seeds per mixer and depth).")
   assert (
     text in Path(paths["summary_md"]).read_text()
-    and html.escape(text) in Path(paths["index_html"]).read_text()
+    and f"**{text}**" in Path(paths["summary_md"]).read_text()
   )
 
 
 def test_mixer_without_h_res_says_so_not_old_logs(tmp_path):
   # diagnostics were logged (gain_fwd), but the mixer has no H_res: its composite columns are n/a
-  # with that reason, and the page does not call its logs "written before these metrics existed"
+  # with that reason, and summary.md does not call its logs "written before these metrics existed"
   root = _small_sweep(tmp_path, ("mhc",))
   (name,) = json.loads((root / "manifest.json").read_text())["runs"]
   run = root / "runs" / name
@@ -675,7 +673,7 @@ def test_mixer_without_h_res_says_so_not_old_logs(tmp_path):
   assert amax_cols and df[amax_cols].isna().all().all()
   assert np.isfinite(df["growth_exponent"]).all()  # the per-layer gains are still read
   paths = write_report(root)
-  assert "written before these metrics existed" not in Path(paths["index_html"]).read_text()
+  assert "written before these metrics existed" not in Path(paths["summary_md"]).read_text()
 
 
 def test_logit_columns_and_eval_columns_from_raw_files(tmp_path):
@@ -813,8 +811,8 @@ def spread_sweep(tmp_path_factory):
 def test_stream_spread_in_the_report(spread_sweep, tmp_path, monkeypatch):
   root, paths = spread_sweep
   assert "stream_spread" in paths and Path(paths["stream_spread"]).read_bytes()[:8] == PNG
-  page = Path(paths["index_html"]).read_text()
-  assert 'src="stream_spread.png"' in page and "stream spread" in page.lower()
+  page = Path(paths["summary_md"]).read_text()
+  assert "(stream_spread.png)" in page and "stream spread" in page.lower()
   groups = pd.read_csv(paths["groups_csv"])
   hc = groups[(groups["mixer"] == "hc") & (groups["depth"] == 4)].iloc[0]
   mhc = groups[(groups["mixer"] == "mhc") & (groups["depth"] == 4)].iloc[0]
@@ -824,13 +822,13 @@ def test_stream_spread_in_the_report(spread_sweep, tmp_path, monkeypatch):
   metrics, runs, _ = _plot_inputs(root)
   assert plots.stream_spread_vs_layer(metrics, runs, tmp_path / "s.png")
   assert figs[-1] == [(3, 3), (3, 3)]
-  # logs without stream_spread: no figure, and the page says why
+  # logs without stream_spread: no figure, and summary.md says why
   assert (
     plots.stream_spread_vs_layer(metrics.drop(columns="stream_spread"), runs, tmp_path / "n.png")
     is None
   )
   other = _small_sweep(tmp_path / "old", ("hc", "mhc"))
-  page = Path(write_report(other)["index_html"]).read_text()
+  page = Path(write_report(other)["summary_md"]).read_text()
   assert "No stream spread plot" in page
 
 

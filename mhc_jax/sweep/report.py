@@ -1,4 +1,4 @@
-"""Sweep report: one summary row per run, LR sensitivity, plots and a static HTML page.
+"""Sweep report: one summary row per run, LR sensitivity, intervals over seeds, plots, Markdown.
 
 ``summarize_run(run_dir)`` reduces one run directory (docs/interfaces.md layout) to a dict of
 numbers, ``summary_table(sweep_dir)`` makes that a DataFrame with one row per run in the
@@ -8,8 +8,9 @@ LR sensitivity for every group of runs that differ only in the learning rate,
 metric the mean and a 95% confidence interval over seeds, ``paired_table(df)`` the paired
 difference between mixers by seed with its interval, ``finding(df)`` one plain sentence saying
 what differs between the mixers (computed from the numbers), and ``write_report(sweep_dir)``
-writes ``report/`` with ``summary.md``, ``summary.csv``, ``groups.csv``, ``paired.csv`` (two or
-more mixers), ``lr_sensitivity.csv`` (when there is an lr axis), PNG plots and ``index.html``.
+writes ``report/`` with ``summary.md`` (the tables, the sentence, the figures with their captions
+and every column's definition), ``summary.csv``, ``groups.csv``, ``paired.csv`` (two or more
+mixers), ``lr_sensitivity.csv`` (when there is an lr axis) and PNG plots.
 
 Intervals are Student t over seeds (mean ± t(0.975, n-1)·s/√n), not a bootstrap: with the
 3-5 seeds a sweep affords, a percentile bootstrap's 95% interval covers the mean only about
@@ -31,8 +32,6 @@ treated as a one-run sweep, so a single run can be reported too.
 
 from __future__ import annotations
 
-import datetime as _dt
-import html
 import json
 import math
 import os
@@ -390,7 +389,7 @@ _EVAL_FIELDS = {
 }
 
 
-#: Shown in summary.md and on the page only where some run has them (summary.csv keeps them all).
+#: Shown in summary.md only where some run has them (summary.csv keeps them all).
 OPTIONAL_COLUMNS = ("attn_logit_max", "out_logit_max", "logz_absmax", *_EVAL_FIELDS)
 
 
@@ -704,7 +703,7 @@ def groups_table(df: pd.DataFrame) -> pd.DataFrame:
   return out
 
 
-#: The metrics shown (in this order) in the groups and paired tables of the page and summary.md,
+#: The metrics shown (in this order) in the groups and paired tables of summary.md,
 #: led by the primary endpoint; groups.csv and paired.csv have every metric.
 SHOWN_METRICS = [
   "eval_loss",
@@ -765,7 +764,7 @@ def _ci_text(mean: float, lo: float, hi: float) -> str:
 
 def _groups_display(groups: pd.DataFrame) -> pd.DataFrame:
   """The groups with "mean [ci_lo, ci_hi]" cells for the :data:`SHOWN_METRICS` (geometric means
-  for the :data:`LOG_SCALE` ones, headed "<metric> (gmean)"), for the page and summary.md."""
+  for the :data:`LOG_SCALE` ones, headed "<metric> (gmean)"), for summary.md."""
   out = groups[[*groups.attrs.get("group_columns", []), "n_seeds"]].copy()
   for m in SHOWN_METRICS:
     mid = stats.centre(m, LOG_SCALE)
@@ -1221,55 +1220,6 @@ def md_table(df: pd.DataFrame) -> str:
   return "\n".join(lines) + "\n"
 
 
-def _html_table(df: pd.DataFrame, cls: str = "runs") -> str:
-  if df.empty:
-    return "<p><em>(no rows)</em></p>"
-  head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
-  body = []
-  for _, r in df.iterrows():
-    status = r.get("status") if "status" in df.columns else None
-    rcls = f' class="status-{html.escape(str(status))}"' if isinstance(status, str) else ""
-    cells = []
-    absent = _absent(df, r)
-    for c, v in zip(df.columns, r.tolist()):
-      if c in absent:
-        cells.append('<td class="na" title="not in this run\'s logs">n/a</td>')
-        continue
-      bad = (
-        isinstance(v, (float, np.floating))
-        and not math.isfinite(float(v))
-        and c not in ("kl_bits",)
-      )
-      num = isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-      klass = " ".join(k for k, on in (("num", num), ("bad", bad and r.get("steps", 1) != 0)) if on)
-      attr = f' class="{klass}"' if klass else ""
-      cells.append(f"<td{attr}>{html.escape(_fmt(v))}</td>")
-    body.append(f"<tr{rcls}>" + "".join(cells) + "</tr>")
-  return (
-    f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>\n'
-    + "\n".join(body)
-    + "\n</tbody></table>"
-  )
-
-
-_CSS = """
-body{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;margin:2em auto;max-width:1400px;
- padding:0 1.5em;color:#222;line-height:1.45}
-h1{font-size:1.6em;margin-bottom:.2em} h2{margin-top:2em;border-bottom:1px solid #ddd;padding-bottom:.2em}
-.meta{color:#666} .finding{font-size:1.15em;font-weight:600;margin:1em 0}
-.note{background:#fff8e1;border-left:4px solid #f0b400;padding:.5em 1em;margin:1em 0}
-.scroll{overflow-x:auto} table{border-collapse:collapse;font-size:.85em;margin:.5em 0}
-th,td{border:1px solid #ddd;padding:.25em .5em;white-space:nowrap} th{background:#f3f3f3;position:sticky;top:0}
-td.num{text-align:right;font-variant-numeric:tabular-nums} td.bad{color:#b00020;font-weight:600}
-td.na{color:#999;text-align:center}
-tr.status-pending td,tr.status-running td{color:#777} tr.status-failed td:first-child{color:#b00020}
-tbody tr:nth-child(even){background:#fafafa}
-figure{margin:1.5em 0} figure img{max-width:100%;border:1px solid #eee}
-figcaption{color:#444;max-width:75em;margin-top:.4em} dt{font-family:monospace;font-weight:600}
-dd{margin:0 0 .4em 1.5em}
-"""
-
-
 def _composite_note() -> str:
   return (
     "Composite gains, side by side: "
@@ -1318,9 +1268,9 @@ def write_report(
   ``out_dir`` defaults to ``<sweep_dir>/report``. Files: ``summary_md``, ``summary_csv``,
   ``groups_csv`` (:func:`groups_table`: mean and 95% interval over seeds per group),
   ``paired_csv`` (:func:`paired_table`: paired differences between mixers by seed; only with
-  two or more mixers), ``index_html``, ``lr_sensitivity_csv`` (only with an lr axis) and one key per PNG
+  two or more mixers), ``lr_sensitivity_csv`` (only with an lr axis) and one key per PNG
   (``loss_curves``, ``grad_norms``, ``amax_vs_depth``, ``stream_spread``, ``lr_sensitivity``,
-  ``heatmap:<run>``); a plot with nothing to show is not written and the page says why.
+  ``heatmap:<run>``); a plot with nothing to show is not written and summary.md says why.
   Prints nothing.
   """
   from mhc_jax.sweep import plots  # matplotlib only when plotting
@@ -1565,79 +1515,13 @@ def write_report(
     ]
   if missing:
     md += ["## Missing or non-finite", ""] + [f"- {m}" for m in missing] + [""]
-  md += (
-    ["## Plots", ""]
-    + [f"- `{Path(paths[k]).name}`: {t}" for ks, t, _ in figures for k in ks]
-    + [""]
-  )
+  md += ["## Figures", ""]
+  for keys, title, caption in figures:
+    imgs = " ".join(f"![{title}]({Path(paths[k]).name})" for k in keys)
+    md += [f"### {title}", "", imgs, "", caption, ""]
   md += ["## Column definitions", ""] + [f"- `{k}`: {v}" for k, v in defs.items()] + [""]
   md_path = out / "summary.md"
   md_path.write_text("\n".join(md))
   paths["summary_md"] = str(md_path)
 
-  # ----------------------------------------------------------- the page
-  e = html.escape
-  now = _dt.datetime.now().strftime("%Y-%m-%d %H:%M")
-  parts = [
-    "<!DOCTYPE html>",
-    '<html lang="en"><head><meta charset="utf-8">',
-    f"<title>Sweep report: {e(sweep_dir.resolve().name)}</title>",
-    f"<style>{_CSS}</style></head><body>",
-    f"<h1>Sweep report: {e(sweep_dir.resolve().name)}</h1>",
-    f'<p class="meta">{e(str(sweep_dir.resolve()))} &middot; generated {now} &middot; {len(table)} runs '
-    f"({e(status_line)}) &middot; sweep axes: {e(axes_line)}</p>",
-    f'<p class="finding">{e(sentence)}</p>',
-  ]
-  if missing:
-    parts.append(
-      '<div class="note"><strong>Missing or non-finite</strong><ul>'
-      + "".join(f"<li>{e(m)}</li>" for m in missing)
-      + "</ul></div>"
-    )
-  parts += [
-    "<h2>Runs</h2>",
-    "<p>One row per run. Non-finite numbers are shown as they are (NaN, inf) in red; n/a means the "
-    "run's logs do not have that metric; grey rows have not finished. Definitions of every column "
-    'are at the bottom of the page; <a href="summary.csv">summary.csv</a> has full precision.</p>',
-    f"<p>{e(_composite_note())}</p>",
-    f'<div class="scroll">{_html_table(shown_columns(table))}</div>',
-  ]
-  if n_seeds_max > 1 or len(paired):
-    parts += [
-      "<h2>Groups over seeds</h2>",
-      f'<p>{e(group_text)} <a href="groups.csv">groups.csv</a></p>',
-      f'<div class="scroll">{_html_table(_groups_display(groups), "groups")}</div>',
-    ]
-  if len(paired):
-    shown = _paired_display(paired)
-    parts += [
-      "<h2>Paired differences between mixers</h2>",
-      f'<p>{e(paired_text)} <a href="paired.csv">paired.csv</a></p>',
-      f'<div class="scroll">{_html_table(shown, "paired")}</div>'
-      if len(shown)
-      else "<p><em>(no pairs with finite values)</em></p>",
-    ]
-  if len(lr_tab):
-    parts += [
-      "<h2>Learning-rate sensitivity</h2>",
-      "<p>Runs that differ only in the learning rate, grouped. <code>lr_sensitivity</code> "
-      "(Wortsman et al. 2023) is the mean over the lr grid of min(final_loss, loss_init) minus its "
-      "minimum: 0 means every lr on the grid reaches the best loss, larger means the result "
-      "depends more on tuning the lr; diverged runs count as loss_init.</p>",
-      f'<div class="scroll">{_html_table(lr_tab, "lr")}</div>',
-    ]
-  parts.append("<h2>Plots</h2>")
-  for keys, title, cap in figures:
-    names = [Path(paths[k]).name for k in keys]
-    imgs = "".join(f'<img src="{e(n)}" alt="{e(title)}: {e(n)}">' for n in names)
-    parts.append(
-      f'<figure id="{e(Path(names[0]).stem)}"><h3>{e(title)}</h3>{imgs}'
-      f"<figcaption>{e(cap)}</figcaption></figure>"
-    )
-  parts += ["<h2>Column definitions</h2><dl>"]
-  parts += [f"<dt>{e(k)}</dt><dd>{e(v)}</dd>" for k, v in defs.items()]
-  parts += ["</dl></body></html>"]
-  html_path = out / "index.html"
-  html_path.write_text("\n".join(parts), encoding="utf-8")
-  paths["index_html"] = str(html_path)
   return paths
