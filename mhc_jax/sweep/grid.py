@@ -17,6 +17,9 @@ A sweep file (``configs/sweeps/*.yaml``) has these keys::
     executor: {kind: slurm, ...}   # optional; process | submitit-local | slurm, + submitit params
     seeds: 3                       # optional; repeat every grid point over 3 seeds (see below)
     eval: 4                        # optional; mhc-jax eval (probes) on 4 batches after each run
+    variants:                      # optional; named versions of the sweep (see below)
+      cpu: {}
+      gpu: {base: configs/gpu.yaml, set: {data.seq_len: 512}, axes: {model.width: [512, 1024]}}
 
 Runs are named from their axis values, ``mixer=hc,depth=32`` (the last part of each dotted
 key, or the whole key where two axes share a last part; values as YAML scalars, floats in
@@ -37,6 +40,13 @@ An axis given as a mapping instead of a list holds named variants that change se
 once (a mixer and its options; a training regime): its key is a label (``arm``, ``regime``), run
 names say ``arm=<name>``, and a run's overrides are the variant's dotted keys, so the report's
 columns and groups are the config values (``mixer``, ``stream_init``, ``clip`` ...).
+
+``variants`` keeps the versions of one study in one file (CPU- and GPU-sized, say): a mapping
+from variant names to sweep keys, chosen by ``load_sweep(..., variant=NAME)`` (``mhc-jax sweep
+--variant NAME``), the first by default. A variant's ``set`` entries are added over the file's,
+its ``axes`` replace the file's axes of the same key (or are added after them), any other key
+replaces the file's; a variant other than the first names its sweep ``<name>_<variant>`` (its
+own directory) unless it sets ``name``.
 
 Every run's config is validated (types, ranges, cross-section checks, data paths) by
 :func:`load_sweep`; a bad axis value raises ConfigError naming ``axes.<key>``, a bad ``set``
@@ -104,6 +114,7 @@ SWEEP_KEYS = (
   "parallel",
   "executor",
   "eval",
+  "variants",
 )
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
@@ -127,6 +138,7 @@ class Sweep:
   base_config: dict  # base + set, validated, as a nested dict
   runs: list  # [Run]
   options: dict = dataclasses.field(default_factory=dict)  # parallel / executor (how to run)
+  variant: str | None = None  # the file's variant this sweep is (None: the file has none)
 
   def run(self, name: str) -> Run:
     return next(r for r in self.runs if r.name == name)
@@ -200,12 +212,50 @@ def _validate(d: Mapping) -> Config:
   return cfg
 
 
+def _with_variant(data: Mapping, variant: str | None, name: str) -> tuple[dict, str | None]:
+  """(the sweep keys with `variant` applied, its name); the first variant when None. A variant
+  other than the first names its sweep ``<name>_<variant>`` unless it sets ``name``."""
+  variants = data.get("variants")
+  if variants is None:
+    if variant is not None:
+      raise ConfigError(f"variant {variant!r}: this sweep file has no variants")
+    return dict(data), None
+  if not isinstance(variants, Mapping) or not variants:
+    raise ConfigError(f"variants: expected a mapping of names to sweep keys, got {variants!r}")
+  variant = next(iter(variants)) if variant is None else variant
+  if variant not in variants:
+    raise ConfigError(
+      f"variant {variant!r}: not a variant of this sweep file (its variants: "
+      f"{', '.join(map(str, variants))})"
+    )
+  changes = variants[variant] or {}
+  if not isinstance(changes, Mapping):
+    raise ConfigError(f"variants.{variant}: expected a mapping of sweep keys, got {changes!r}")
+  out = {k: v for k, v in data.items() if k != "variants"}
+  for k, v in changes.items():
+    if k not in SWEEP_KEYS or k == "variants":
+      raise ConfigError(f"variants.{variant}.{k}: unknown sweep key")
+    if k == "set":
+      v = {**_flatten_set(out.get("set")), **_flatten_set(v, f"variants.{variant}.set")}
+    elif k == "axes" and isinstance(out.get("axes"), Mapping) and isinstance(v, Mapping):
+      v = {**out["axes"], **v}
+    out[k] = v
+  if variant != next(iter(variants)) and "name" not in changes:
+    out["name"] = f"{data.get('name', name)}_{variant}"
+  return out, variant
+
+
 def load_sweep(
-  path: str | os.PathLike | None = None, cli_set: Any = (), *, data: Mapping | None = None
+  path: str | os.PathLike | None = None,
+  cli_set: Any = (),
+  *,
+  data: Mapping | None = None,
+  variant: str | None = None,
 ) -> Sweep:
   """Read, expand and validate a sweep (from `path`, or from the mapping `data`).
 
-  `cli_set` (``--set`` strings) is applied after the file's ``set``. Raises ConfigError.
+  `cli_set` (``--set`` strings) is applied after the file's ``set``. `variant` picks one of
+  the file's ``variants`` (default: the first). Raises ConfigError.
   """
   sweep_path = Path(path).resolve() if path is not None else None
   if data is None:
@@ -221,6 +271,7 @@ def load_sweep(
     if k not in SWEEP_KEYS:
       raise ConfigError(f"{k}: unknown sweep key (known: {', '.join(SWEEP_KEYS)})")
   default_name = sweep_path.stem if sweep_path else "sweep"
+  data, variant = _with_variant(data, variant, default_name)
   name = data.get("name", default_name)
   if not isinstance(name, str) or not name or _UNSAFE.search(name):
     raise ConfigError(f"name: expected a file-name-safe string, got {name!r}")
@@ -296,7 +347,9 @@ def load_sweep(
     if "parallel" in options:
       options["parallel"] = how.parse_parallel(options["parallel"], "parallel")
     how.executor_options(options.get("executor"), None)
-  return Sweep(name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs, options)
+  return Sweep(
+    name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs, options, variant
+  )
 
 
 def _seed_values(value: Any, first: int) -> list:
