@@ -48,6 +48,13 @@ split, the same batches the trainer's in-loop eval starts with):
     checkpoint; **norm-free** rates per 1000 steps (total variation of attention rows, angle of
     value vectors) and whether attention settles first (see ``probes.drift``).
 
+  - ``paper``: the same signatures by the papers' own definitions, each against its null
+    (``PAPER_DEFINITIONS``; docs/windtunnel_results.md gives the sources): ``key_orthogonality``
+    (token keys per head vs random directions; W_K columns), ``qk_alignment`` (per layer, slope
+    against evidence vs permuted evidence), ``value_manifold`` (standardised last-layer values,
+    PC1 vs entropy vs permuted entropy) and ``frame_precision`` (3+ checkpoints: whether the
+    attention patterns settle before the value manifold and the KL).
+
 Text tasks (text, tfds; no posterior): ``eval_loss`` (nats per byte) and ``bits_per_byte``.
 
 Bad input (no such directory, no config.yaml, no checkpoint, a config that no longer validates,
