@@ -377,7 +377,21 @@ def test_bad_config_exit_status_of_the_program(tmp_path):
 # --------------------------------------------------------------------------- halt: exit 3
 
 
-def test_nonfinite_halt_exit_3_with_checkpoint(tmp_path, capsys):
+def test_nonfinite_halt_exit_3_with_checkpoint(tmp_path, capsys, monkeypatch):
+  """A NaN loss at step 2 (the test wraps the data source: faults.NanAt) under policy halt."""
+  import dataclasses
+
+  from faults import NanAt
+
+  from mhc_jax.train import loop
+
+  real = loop.prepare
+
+  def prepare(*args, **kwargs):
+    setup = real(*args, **kwargs)
+    return dataclasses.replace(setup, source=NanAt(setup.source, 2))
+
+  monkeypatch.setattr(loop, "prepare", prepare)
   run = tmp_path / "run"
   rc, out, err = run_cli(
     capsys,
@@ -387,7 +401,6 @@ def test_nonfinite_halt_exit_3_with_checkpoint(tmp_path, capsys):
     str(run),
     "--quiet",
     "--set",
-    "train.inject_nonfinite_at=2",
     "train.nonfinite=halt",
     "train.steps=5",
     "train.diag_every=0",
