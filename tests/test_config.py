@@ -280,6 +280,7 @@ def test_frozen_and_replace_revalidates():
     (["optim.lr=-0.1"], "optim.lr: must be > 0, got -0.1"),
     (["optim.lr=0"], "optim.lr: must be > 0"),
     (["model.dept=3"], "model.dept: unknown key (did you mean model.depth?)"),
+    (["train.inject_nonfinite_at=2"], "train.inject_nonfinite_at: unknown key"),  # a test hook
     (["modle.depth=3"], "modle: unknown key (did you mean model?)"),
     (["train.steps=ten"], "train.steps: expected int, got str 'ten'"),
     (["train.steps=true"], "train.steps: expected int, got bool True"),
