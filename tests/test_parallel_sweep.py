@@ -279,3 +279,57 @@ def test_killed_local_sweep_trains_each_run_once(killed_sweep, tiny_sweep):  # n
   m = json.loads((out / "manifest.json").read_text())
   assert {i["status"] for i in m["runs"].values()} == {"done"}
   assert (out / "report" / "index.html").exists()
+
+
+# =========================================================================== requeue (SIGUSR2)
+def _build_requeued(root: Path) -> dict:
+  f = _tiny_file(root, "tinysub", ["mhc"])
+  out = root / "sweep"
+  env = sweep_env(root.parent / "tiny_sweep" / "jax_cache")
+  cmd = [sys.executable, "-m", "mhc_jax.cli", "sweep", str(f), "--out", str(out), "--parallel", "1"]
+  rec: dict = {"out": str(out)}
+  with open(root / "sweep.log", "w") as log:
+    p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    try:
+      ckpts = _wait_for(lambda: p.poll() is None and _mid_run(out, "mixer=mhc"), 600, "no ckpt")
+      pid = json.loads((out / "runs" / "mixer=mhc" / ".lock").read_text())["pid"]
+      os.kill(pid, signal.SIGUSR2)  # what submitit/SLURM send ahead of a time limit
+      rec["preempted"] = {"pid": pid, "ckpts": ckpts}
+      rec["rc"] = p.wait(timeout=900)
+    finally:
+      if p.poll() is None:
+        p.kill()
+  rec["log"] = (root / "sweep.log").read_text()
+  rec["job_logs"] = "".join(
+    q.read_text(errors="replace") for q in sorted((out / "submitit").rglob("*.out"))
+  )
+  return rec
+
+
+@pytest.fixture(scope="session")
+def requeued_sweep(tmp_path_factory, tiny_sweep) -> dict:  # noqa: F811
+  root = _shared_dir(tmp_path_factory) / "requeued_sweep"
+  root.mkdir(exist_ok=True)
+  with open(root / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = root / "record.json"
+    if not done.exists():
+      done.write_text(json.dumps(_build_requeued(root)))
+    rec = json.loads(done.read_text())
+  rec["out"] = Path(rec["out"])
+  return rec
+
+
+@pytest.mark.slow
+def test_a_job_sent_sigusr2_is_requeued_and_resumes(requeued_sweep, tiny_sweep):  # noqa: F811
+  out = requeued_sweep["out"]
+  assert requeued_sweep["rc"] == 0, requeued_sweep["log"][-3000:]
+  assert "Requeued job" in requeued_sweep["job_logs"], requeued_sweep["job_logs"][-3000:]
+  starts = [
+    int(s) for s in re.findall(r"mixer=mhc: training from step (\d+)", requeued_sweep["job_logs"])
+  ]
+  assert (
+    starts[0] == 0 and len(starts) == 2 and starts[1] >= max(requeued_sweep["preempted"]["ckpts"])
+  )
+  _same_logs(out / "runs" / "mixer=mhc", tiny_sweep["out"] / "runs" / "mixer=mhc")
+  assert json.loads((out / "manifest.json").read_text())["runs"]["mixer=mhc"]["status"] == "done"
