@@ -255,6 +255,19 @@ def test_a_run_is_finished_when_its_summary_says_so(tmp_path):
   assert runner.run_status(d) == ("failed", "failed")
 
 
+def test_a_dead_job_leaves_a_failed_summary_saying_why(tmp_path):
+  done, raised, killed = (tmp_path / n for n in ("done", "raised", "killed"))
+  rundir.write_summary(done, {"status": "done", "steps": 5})
+  rundir.write_summary(raised, {"status": "failed", "steps": 2})  # the loop's, on an exception
+  rundir.write_summary(killed, {"status": "preempted", "steps": 3})  # then SIGKILLed on resume
+  for d in (done, raised, killed):
+    runner._fail(d, "job 7 failed: killed by SIGKILL")
+  assert rundir.read_summary(done) == {"status": "done", "steps": 5}  # a finished run is kept
+  assert runner.run_status(raised) == ("failed", "job 7 failed: killed by SIGKILL")
+  assert rundir.read_summary(killed)["steps"] == 3
+  assert runner.run_status(killed) == ("failed", "job 7 failed: killed by SIGKILL")
+
+
 def test_changed_sweep_file(tmp_path):
   out = tmp_path / "s"
   sw = grid.load_sweep(_sweep(tmp_path))

@@ -298,11 +298,11 @@ def _result(run_dir, wall: float) -> str:
 
 
 def _fail(run_dir, error: str) -> None:
-  """A unit whose job died without a summary: its runs' summary.json say failed, and why."""
-  if run_status(run_dir)[0] == "pending":
-    rundir.write_summary(
-      run_dir, {**rundir.read_summary(run_dir), "status": "failed", "message": error}
-    )
+  """A unit whose training raised or whose job died: its unfinished runs' summary.json say
+  failed, and a failed summary without a message gets `error` (the exception, the log's end)."""
+  s = rundir.read_summary(run_dir)
+  if run_status(run_dir)[0] == "pending" or (s.get("status") == "failed" and not s.get("message")):
+    rundir.write_summary(run_dir, {**s, "status": "failed", "message": error})
 
 
 def _job_error(job, e: Exception) -> str:
@@ -530,9 +530,11 @@ def run_sweep(
     except Preempted as e:
       _say(f"sweep {sweep.name}: {e}; re-run the same command to continue")
       return EXIT_PREEMPTED
-    except Exception:  # noqa: BLE001 - a failed run must not stop the sweep (its summary says)
+    except Exception as e:  # noqa: BLE001 - a failed run must not stop the sweep
       if dist.is_main():
         traceback.print_exc()
+        for n in unit:
+          _fail(dirs[n], f"{type(e).__name__}: {e}")
     for n in unit:
       runs[n]["status"], error = run_status(dirs[n])
       if error:
