@@ -259,21 +259,3 @@ def test_mix_and_read_match_einsum(n, per_token):
   ):
     assert got.shape == want.shape
     close(got, want)
-
-
-def test_normed_tokdot_is_the_dot_of_the_normed_state():
-  """``normed_tokdot`` (the dot first, the rows' 1/rms after it) equals ``tokdot(rms_norm(x), w)``
-  in value and in the gradients for ``x`` and ``w``, for mHC's ``[B, T, nC]`` rows and HC's
-  per-stream ``[B, T, n, C]`` rows, including rows of a much larger scale."""
-  from mhc_jax.mixers.base import normed_tokdot, rms_norm, tokdot
-
-  k = jax.random.split(jax.random.PRNGKey(5), 4)
-  for shape, out in (((2, 3, 32), 24), ((2, 3, 4, 8), 6)):
-    x = jax.random.normal(k[0], shape) * jnp.exp(2 * jax.random.normal(k[1], shape[:-1] + (1,)))
-    w = jax.random.normal(k[2], (shape[-1], out))
-    ct = jax.random.normal(k[3], shape[:-1] + (out,))
-    ref = lambda x, w: tokdot(rms_norm(x), w)
-    np.testing.assert_allclose(normed_tokdot(x, w), ref(x, w), rtol=1e-5, atol=1e-5)
-    loss = lambda fn: jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.tanh(fn(x, w)) * ct), (0, 1)))
-    for got, want in zip(loss(normed_tokdot)(x, w), loss(ref)(x, w)):
-      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()))

@@ -115,27 +115,6 @@ def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> d
   }
 
 
-def tokdot(x, w):
-  """``x @ w`` over the last axis of ``x`` with its leading (token) axes flattened to one:
-  ``x [..., K]``, ``w [K]`` or ``[K, ...]``. Same numbers as ``x @ w``; XLA's CPU backward of
-  a dot whose left side keeps several leading axes ran ~2.4x slower (benchmarks/layer_bench.py)."""
-  lead, k = x.shape[:-1], x.shape[-1]
-  y = x.reshape(-1, k) @ w.reshape(k, -1)
-  return y.reshape(lead + w.shape[1:])
-
-
-def normed_tokdot(x, w, eps: float = 1e-6):
-  """``tokdot(rms_norm(x), w)`` computed as ``r * tokdot(x, w)`` with ``r = rsqrt(mean(x²) + eps)``
-  per row (float32): the same function, but the normalised ``x`` (as wide as the stream state) is
-  never written out in the forward, its rematerialisation or the backward, where the norm's
-  gradient becomes a per-row scalar from the small ``[..., K']`` output instead of a second
-  reduction over ``x``. Rounding differs from the normalise-then-dot form in the last digits."""
-  x = x.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1) + eps)  # [...]
-  y = tokdot(x, w)
-  return y * r.reshape(r.shape + (1,) * (y.ndim - r.ndim))
-
-
 UNROLL_STREAMS = 8  # up to this many streams, stream sums are written out (see stream_sum)
 
 

@@ -43,7 +43,7 @@ with which fraction j enters the sublayer input; ones at init). ``A`` is not con
 import flax.linen as nn
 import jax.numpy as jnp
 
-from mhc_jax.mixers.base import Mixer, make_stats, param, rms_norm, tokdot
+from mhc_jax.mixers.base import Mixer, make_stats, param, rms_norm
 
 
 def split_fracs(x_BTC, m: int):
@@ -106,9 +106,9 @@ class FracConnection(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       s_a = param(self, "s_alpha", const, (), ())
       s_b = param(self, "s_beta", const, (), ())
-      gamma = s_a * jnp.tanh(tokdot(xn, w_read)) + gamma  # [B,T,m,m]
-      a = s_a * jnp.tanh(tokdot(xn, w_mix)) + a  # [B,T,m,m]
-      beta = s_b * jnp.tanh(tokdot(xn, w_write)) + beta  # [B,T,m]
+      gamma = s_a * jnp.tanh(xn @ w_read) + gamma  # [B,T,m,m]
+      a = s_a * jnp.tanh(xn @ w_mix) + a  # [B,T,m,m]
+      beta = s_b * jnp.tanh(xn @ w_write) + beta  # [B,T,m]
     x = x_BTmD.astype(jnp.float32)
     u = jnp.einsum("...ji,...jd->...id", gamma, x)  # Γᵀ H
     f_BTC = sublayer(merge_fracs(u).astype(x_BTmD.dtype))

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mhc_jax.mixers.base import Mixer, make_stats, mix, normed_tokdot, param, read
+from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm
 
 
 class HyperConnection(Mixer):
@@ -54,9 +54,9 @@ class HyperConnection(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       s_a = param(self, "s_alpha", const, (), ())
       s_b = param(self, "s_beta", const, (), ())
-      # one pass over the state for all three projections of the normed state (one dot)
+      # the three projections of the normed state as one dot
       w = jnp.concatenate([w_m[:, None], w_r, w_b[:, None]], axis=1)  # [C, n+2]
-      z = jnp.tanh(normed_tokdot(x_BTnC, w))  # [B,T,n,n+2]
+      z = jnp.tanh(rms_norm(x_BTnC) @ w)  # [B,T,n,n+2]
       a_m = s_a * z[..., 0] + a_m  # [B,T,n]
       a_r = s_a * z[..., 1 : n + 1] + a_r  # [B,T,n,n]
       b = s_b * z[..., n + 1] + b  # [B,T,n]

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax.mixers.base import Mixer, param, tokdot
+from mhc_jax.mixers.base import Mixer, param
 from mhc_jax.mixers.peri_ln import single_stream, stream_stats
 
 
@@ -96,7 +96,7 @@ class Laurel(Mixer):
         (self.rank, c),
         (None, "embed"),
       )
-      g = g + tokdot(tokdot(g, w_down), w_up)
+      g = g + g @ w_down @ w_up
     if rw:
       init = nn.initializers.ones if self.rw_norm == "none" else nn.initializers.zeros
       alpha, beta = self.weights(param(self, "b_rw", init, (2,), (None,)))

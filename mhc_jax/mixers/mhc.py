@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from mhc_jax import sinkhorn as sk
-from mhc_jax.mixers.base import Mixer, make_stats, mix, normed_tokdot, param, read
+from mhc_jax.mixers.base import Mixer, make_stats, mix, param, read, rms_norm
 
 READ_INIT = 0.95  # sigma(b_pre) on the read stream for stream_init="hc" (1 - READ_INIT elsewhere)
 ONEHOT_LOGIT = 1.0  # b_pre, b_post = +/- this on stream layer mod n for stream_init="onehot"
@@ -122,14 +122,14 @@ class ManifoldHyperConnection(Mixer):
     )
     z_pre, z_post, z_res = b_pre, b_post, b_res
     if self.dynamic:
-      x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC], normed in the dot
+      x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC]
       phi_init = nn.initializers.normal(self.phi_init / math.sqrt(n * c))
       phi = param(self, "phi", phi_init, (n * c, 2 * n + r), ("streams_embed", None))
       const = nn.initializers.constant(self.alpha_init)
       a_pre, a_post, a_res = (
         param(self, f"alpha_{k}", const, (), ()) for k in ("pre", "post", "res")
       )
-      proj = normed_tokdot(x_BTK, phi)  # [B,T,2n+r]
+      proj = rms_norm(x_BTK) @ phi  # [B,T,2n+r]
       z_pre = a_pre * proj[..., :n] + b_pre
       z_post = a_post * proj[..., n : 2 * n] + b_post
       z_res = a_res * proj[..., 2 * n :] + b_res

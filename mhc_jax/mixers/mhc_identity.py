@@ -33,7 +33,7 @@ from typing import Literal
 import flax.linen as nn
 import jax.numpy as jnp
 
-from mhc_jax.mixers.base import Mixer, make_stats, normed_tokdot, param, read
+from mhc_jax.mixers.base import Mixer, make_stats, param, read, rms_norm
 from mhc_jax.mixers.mhc import stream_bias_inits
 
 
@@ -59,7 +59,7 @@ class MHCIdentity(Mixer):
     b_post = param(self, "b_post", post_init, (n,), ("streams",))
     z_pre, z_post = b_pre, b_post
     if self.dynamic:
-      x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC], normed in the dot
+      x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC]
       phi = param(
         self,
         "phi",
@@ -70,7 +70,7 @@ class MHCIdentity(Mixer):
       const = nn.initializers.constant(self.alpha_init)
       a_pre = param(self, "alpha_pre", const, (), ())
       a_post = param(self, "alpha_post", const, (), ())
-      proj = normed_tokdot(x_BTK, phi)  # [B,T,2n]
+      proj = rms_norm(x_BTK) @ phi  # [B,T,2n]
       z_pre = a_pre * proj[..., :n] + b_pre
       z_post = a_post * proj[..., n:] + b_post
     h_pre = nn.sigmoid(z_pre)
