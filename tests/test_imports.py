@@ -144,7 +144,7 @@ def test_no_import_runs_up_a_floor():
 
 
 def test_training_processes_import_no_report_libraries():
-  """A training process (``mhc-jax train``, a sweep worker, a population, ``mhc-jax eval``)
+  """A training process (``mhc-jax train``, a sweep job, a population, ``mhc-jax eval``)
   never imports pandas or matplotlib: every process the sweeps and the tests start pays for
   what it imports (pandas alone took ~0.35 s per process), and only the readers and the
   report need them."""
@@ -153,7 +153,7 @@ def test_training_processes_import_no_report_libraries():
 
   code = (
     "import sys\n"
-    "import mhc_jax.cli, mhc_jax.train.loop, mhc_jax.sweep.worker, mhc_jax.sweep.population\n"
+    "import mhc_jax.cli, mhc_jax.train.loop, mhc_jax.sweep.runner, mhc_jax.sweep.population\n"
     "import mhc_jax.evaluate\n"
     "print(sorted(m for m in ('pandas', 'matplotlib') if m in sys.modules))\n"
   )
