@@ -145,7 +145,7 @@ def cmd_report(args) -> int:
   table = rep.summary_table(path)
   print(table.to_string(index=False))
   print(rep.finding(table))
-  print(f"report: {paths['index_html']}")
+  print(f"report: {paths['summary_md']}")
   return 0
 
 
@@ -191,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     metavar="KEY=VALUE",
     help="overrides applied to the base config of every run (may be repeated)",
   )
+  s.add_argument("--variant", help="which of the sweep file's variants (default: the first)")
   s.add_argument("--dry-run", action="store_true", help="list runs, parameter counts, FLOPs")
   s.add_argument("--quiet", action="store_true")
   s.add_argument(

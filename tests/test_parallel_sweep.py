@@ -278,7 +278,7 @@ def test_killed_local_sweep_trains_each_run_once(killed_sweep, tiny_sweep):  # n
     _same_logs(out / "runs" / name, tiny_sweep["out"] / "runs" / name)
   m = json.loads((out / "manifest.json").read_text())
   assert {i["status"] for i in m["runs"].values()} == {"done"}
-  assert (out / "report" / "index.html").exists()
+  assert (out / "report" / "summary.md").exists()
 
 
 # =========================================================================== requeue (SIGUSR2)

@@ -178,7 +178,7 @@ def test_a_sweep_on_the_object_store(gcs, tmp_path_factory, monkeypatch, capsys)
   # report.py's and is tested there): the runner's part ends at the call
   reported = []
   monkeypatch.setattr(
-    report, "write_report", lambda d: reported.append(d) or {"index_html": f"{d}/report/index.html"}
+    report, "write_report", lambda d: reported.append(d) or {"summary_md": f"{d}/report/summary.md"}
   )
   monkeypatch.setattr(runner, "_print_table", lambda d: None)
   f = tmp_path_factory.mktemp("gs_sweep") / "s.yaml"

@@ -439,9 +439,9 @@ def test_tiny_sweep_completes(tiny_sweep):
     assert _steps(rdir / "metrics.jsonl") == list(range(TINY_STEPS)), name  # each step once
     df = logs.load_run(rdir)
     assert df["eval/kl_bits"].notna().sum() == TINY_STEPS // 20
-  assert (out / "report" / "index.html").exists()
+  assert (out / "report" / "summary.md").exists()
   text = tiny_sweep["second"]["out"]
-  assert f"report: {out / 'report' / 'index.html'}" in text
+  assert f"report: {out / 'report' / 'summary.md'}" in text
   assert "| mixer=hc |" in text and "final_loss" in text  # the summary table
   from mhc_jax.sweep import report
 

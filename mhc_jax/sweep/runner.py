@@ -488,7 +488,7 @@ def run_sweep(
       f"sweep {sweep.name}: all {len(sweep.runs)} runs are finished ({counts['done']} done, "
       f"{counts['failed']} failed); nothing to do in {out_dir}"
     )
-    index = out_dir / "report" / "index.html"
+    index = out_dir / "report" / "summary.md"
     evals = sweep.options.get("eval")
     if dist.is_main() and (not index.exists() or (evals and posteval.pending(out_dir, manifest))):
       return _finish(out_dir, manifest, evals)
@@ -566,7 +566,7 @@ def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
     posteval.evaluate_runs(out_dir, manifest, evals, _say)
   paths = report.write_report(out_dir)
   _print_table(out_dir)
-  print(f"report: {paths['index_html']}", flush=True)
+  print(f"report: {paths['summary_md']}", flush=True)
   failed = [n for n, i in manifest["runs"].items() if i["status"] == "failed"]
   if failed:
     print(f"{len(failed)} run(s) failed: {', '.join(failed)} (errors in manifest.json)")
@@ -603,7 +603,9 @@ def main(args) -> int:
   """``mhc-jax sweep`` (args: sweep_file, out, set, dry_run, quiet, parallel, executor, dist
   flags)."""
   parallel = how.parse_parallel(args.parallel) if getattr(args, "parallel", None) else None
-  sweep = grid.load_sweep(args.sweep_file, getattr(args, "set", None) or [])
+  sweep = grid.load_sweep(
+    args.sweep_file, getattr(args, "set", None) or [], variant=getattr(args, "variant", None)
+  )
   parallel = parallel or sweep.options.get("parallel")
   raw = sweep.options.get("executor")
   kind, params = how.executor_options(raw, getattr(args, "executor", None))
