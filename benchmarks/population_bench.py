@@ -1,11 +1,9 @@
 """Population step vs sequential runs: median step time of one program training P learning
-rates at once (vmapped, and with each member's step written out: train.population_mode=unroll),
-against P separate jitted steps (what P separate runs execute).
+rates at once (vmapped) against P separate jitted steps (what P separate runs execute).
 
     python benchmarks/population_bench.py                      # P=4, mhc, depth 4, width 64
     python benchmarks/population_bench.py --members 8 --width 128 --seq-len 128
     python benchmarks/population_bench.py --set model.remat=none     # any config override
-    python benchmarks/population_bench.py --modes vmap               # one population mode only
     python benchmarks/population_bench.py --parts      # and where each program's op time goes
     python benchmarks/population_bench.py --dots       # and the programs' dots alone
 
@@ -29,7 +27,6 @@ import numpy as np
 import step_profile
 from timing import round_robin, timed
 
-from mhc_jax import hostmem
 from mhc_jax.sweep import population
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.config import load_config, with_overrides
@@ -49,7 +46,7 @@ def main(argv=None) -> None:
   ap.add_argument("--batch", type=int, default=16)
   ap.add_argument("--steps", type=int, default=20)
   ap.add_argument("--warmup", type=int, default=3)
-  ap.add_argument("--modes", default="vmap,unroll", help="population modes, comma list")
+  ap.add_argument("--modes", default="vmap", help="population modes, comma list (vmap)")
   ap.add_argument("--set", nargs="*", default=[], help="further config overrides (KEY=VALUE)")
   ap.add_argument(
     "--parts",
@@ -65,8 +62,8 @@ def main(argv=None) -> None:
   )
   args = ap.parse_args(argv)
   modes = [m for m in args.modes.split(",") if m]
-  if not modes or set(modes) - {"vmap", "unroll"}:
-    ap.error(f"--modes: expected a comma list of vmap, unroll; got {args.modes!r}")
+  if modes != ["vmap"]:
+    ap.error(f"--modes: the one population mode is vmap; got {args.modes!r}")
 
   lrs = list(np.geomspace(1e-3, 3e-2, args.members))
   base = load_config(
@@ -210,5 +207,4 @@ def dots_alone(cfg, setups, mesh, batch, modes, args) -> None:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

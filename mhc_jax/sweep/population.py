@@ -1,7 +1,5 @@
 """Populations: runs that differ only in ``optim.lr``, ``train.seed`` and/or ``model.init_scale``
-trained together as one jitted program, ``jax.vmap`` over parameters and optimiser state
-(``train.population_mode=vmap``, the default), or with each member's step written out in the
-program (``unroll``: faster steps on the CPU, a bigger program; docs/results.md, "Populations").
+trained together as one jitted program, ``jax.vmap`` over parameters and optimiser state.
 
 The population step is ``train.step.make_train_step`` itself, vmapped: each member builds its
 optimiser with ``make_optimizer(..., lr=<its traced lr>)``, so a member's update is exactly the
@@ -159,24 +157,6 @@ def _member(tree, i: int):
   return jax.tree.map(lambda a: a[i], tree)
 
 
-def over_members(fn, in_axes, size: int, unroll: bool):
-  """``fn`` mapped over the leading (member) axis of the arguments whose ``in_axes`` is 0 (None:
-  shared by all): ``jax.vmap``, or with ``unroll`` one call per member in the program, outputs
-  stacked. Unrolled, each member's ops stay the plain single-run ops (no member-batched dots);
-  the program holds ``size`` copies of ``fn``."""
-  if not unroll:
-    return jax.vmap(fn, in_axes=in_axes)
-
-  def mapped(*args):
-    def member(i):
-      return [a if ax is None else _member(a, i) for a, ax in zip(args, in_axes)]
-
-    outs = [fn(*member(i)) for i in range(size)]
-    return jax.tree.map(lambda *o: jnp.stack(o), *outs)
-
-  return mapped
-
-
 def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
   """The population's jitted functions for `cfg`'s shapes (cached)."""
   key = (shared_key(cfg), size, stacked_batch, mesh)
@@ -195,31 +175,14 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
     m_tx, m_schedule = make_optimizer(cfg.optim, steps, lr=lr)
     return make_train_step(model, m_tx, m_schedule, cfg)(state, batch, diag)
 
-  unroll = cfg.train.population_mode == "unroll"
-
   def pop_step(state, lrs, active, batch, diag):
-    if unroll:
-      return unrolled_step(state, lrs, active, batch, diag)
     new, metrics = jax.vmap(lambda s, lr, b: member_step(s, lr, b, diag), in_axes=(0, 0, b_axis))(
       state, lrs, batch
     )
     freeze = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
     return jax.tree.map(freeze, new, state), metrics
 
-  def unrolled_step(state, lrs, active, batch, diag):
-    # each member's new state written into the (donated) stacked state in place: stacking the
-    # members' outputs anew cost ~10% of the step on the CPU
-    new, metrics = state, []
-    for i in range(size):
-      old = _member(state, i)
-      b = batch if b_axis is None else _member(batch, i)
-      s, m = member_step(old, lrs[i], b, diag)
-      s = jax.tree.map(lambda n, o: jnp.where(active[i], n, o), s, old)
-      new = jax.tree.map(lambda a, x: a.at[i].set(x), new, s)
-      metrics.append(m)
-    return new, jax.tree.map(lambda *a: jnp.stack(a), *metrics)
-
-  evaluate = over_members(make_eval_step(model, cfg), (0, b_axis), size, unroll)
+  evaluate = jax.vmap(make_eval_step(model, cfg), in_axes=(0, b_axis))
   prog = Programs(
     model=model,
     example=example,
