@@ -20,7 +20,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mhc_jax import hostmem
 from mhc_jax.model import Transformer
 from mhc_jax.train.config import ModelConfig
 
@@ -98,5 +97,4 @@ def main():
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

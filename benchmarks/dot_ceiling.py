@@ -42,7 +42,6 @@ import step_bench
 from jax import lax
 from timing import round_robin
 
-from mhc_jax import hostmem
 from mhc_jax.errors import ConfigError
 from mhc_jax.train.config import load_config
 
@@ -216,5 +215,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as step_bench and mhc-jax run (mhc_jax/hostmem.py)
   sys.exit(main())

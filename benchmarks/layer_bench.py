@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from timing import median_time
 
-from mhc_jax import hostmem
 from mhc_jax.mixers.base import mix, stream_sum
 from mhc_jax.model.layers import causal_attention, query_chunk
 
@@ -110,5 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

@@ -40,8 +40,6 @@ from pathlib import Path
 
 import yaml
 
-from mhc_jax import hostmem
-
 REPO = Path(__file__).resolve().parents[1]
 MIXERS = ["residual", "hc", "mhc", "mhc_lite"]
 TIMING = ("tokens_per_s", "step_time_s")
@@ -159,5 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

@@ -11,7 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax import hostmem
 from mhc_jax.sinkhorn import sinkhorn, stochastic_error
 
 
@@ -44,5 +43,4 @@ def main():
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

@@ -29,9 +29,7 @@ A row's time is its median over rounds; "of matmul" and every ratio are medians 
 round's figures, so the VM's speed drifting during the run (its matmul rate has moved 92-152
 GFLOP/s between runs minutes apart) cancels out of them. On the 2-core CPU the default run takes
 about 10 minutes; nothing else should run then. Each row also reports its median minor page
-faults and kernel (system) CPU seconds per step (warm-up rounds included). The benchmark
-re-executes itself with huge-page malloc as ``mhc-jax`` does (``mhc_jax/hostmem.py``);
-``MHC_JAX_HUGEPAGES=0`` runs it without, for an A/B across processes.
+faults and kernel (system) CPU seconds per step (warm-up rounds included).
 
 The accelerator check (``benchmarks/gpu_check.sh``) adds ``--matmul-dtype bfloat16`` (the
 reference matmul in bf16, so "of matmul" is the MFU against the device's own bf16 matmul rate),
@@ -58,7 +56,6 @@ import jax
 import jax.numpy as jnp
 from timing import median_time, round_robin, timed
 
-from mhc_jax import hostmem
 from mhc_jax.errors import ConfigError
 from mhc_jax.model import Transformer, layers
 from mhc_jax.train.config import load_config
@@ -266,7 +263,7 @@ def interleave(
   def rate():
     rates.append(mm[1] / statistics.median(timed(mm[0]) for _ in range(rate_calls)) / 1e9)
 
-  faults = [[] for _ in rows]  # (minor page faults, kernel seconds) per step (mhc_jax/hostmem.py)
+  faults = [[] for _ in rows]  # (minor page faults, kernel seconds) per step
 
   def counted(i, call):
     def fn():
@@ -502,5 +499,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   sys.exit(main())

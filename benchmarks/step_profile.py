@@ -33,7 +33,6 @@ import time
 
 import jax
 
-from mhc_jax import hostmem
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import SingleProgram, prepare
 
@@ -204,5 +203,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   main()

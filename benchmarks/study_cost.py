@@ -33,8 +33,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from mhc_jax import hostmem
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -191,5 +189,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   sys.exit(main())

@@ -44,13 +44,6 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
-# Subprocesses (mhc-jax, sweep workers) start with huge-page malloc, as a run of mhc-jax re-executes
-# itself to get (mhc_jax/hostmem.py); set here so none of them re-executes.
-from mhc_jax import hostmem  # noqa: E402 (standard library only: jax is not imported)
-
-if hostmem.wanted(os.environ, hostmem.thp_mode()):
-  os.environ.update(hostmem.with_tunable(os.environ))
-
 import pytest  # noqa: E402
 
 
