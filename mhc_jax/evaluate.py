@@ -63,7 +63,6 @@ Bad input (no such directory, no config.yaml, no checkpoint, a config that no lo
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -71,6 +70,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from mhc_jax import storage
 
 PROBE_BATCHES = 2  # validation batches the geometry probes use
 PCA_MAX_POINTS = 4096
@@ -962,16 +963,9 @@ def _plain(o: Any) -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-  """Write JSON to ``path`` via a temporary file and rename (readers never see half a file).
-  Non-finite floats (empty groups of a curve) are written as NaN, as in metrics.jsonl."""
-  path = Path(path)
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump(_plain(obj), f, indent=1)
-    f.write("\n")
-    f.flush()
-    os.fsync(f.fileno())
-  os.replace(tmp, path)
+  """``obj`` as JSON through the package's one atomic writer (numpy keys and values made plain;
+  non-finite floats, empty groups of a curve, written as NaN as in metrics.jsonl)."""
+  storage.write_json_atomic(path, _plain(obj))
 
 
 def summary_lines(r: dict) -> list[str]:

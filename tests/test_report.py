@@ -180,7 +180,7 @@ def test_write_report_files(sweep):
   assert "lr_sensitivity" in page and "Wortsman et al.'s LR sensitivity" in page  # a caption
   assert (out / "summary.md").read_text().count("\n| ") >= 20
   assert paths["summary_md"] == str(out / "summary.md") and not (out / "index.html").exists()
-  assert paths["index_html"] == paths["summary_md"]  # transitional key for runner.py and cli.py
+  assert "index_html" not in paths  # no HTML page any more
 
 
 def test_summary_csv_round_trips(sweep):

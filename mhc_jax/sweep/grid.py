@@ -13,8 +13,8 @@ A sweep file (``configs/sweeps/*.yaml``) has these keys::
       arm:                         # a mapping, not a list: named variants (see below)
         mhc_sym: {model.mixer: mhc, model.mixer_options.stream_init: symmetric}
     population: [optim.lr]         # optional; axes trained together as one vmapped program
-    parallel: 4                    # optional; runs trained at once (mhc_jax.sweep.executor)
-    executor: {kind: slurm, ...}   # optional; process | submitit-local | slurm, + submitit params
+    parallel: 4                    # optional; runs trained at once (mhc_jax.sweep.runner)
+    executor: {kind: slurm, ...}   # optional; local | slurm, + submitit params
     seeds: 3                       # optional; repeat every grid point over 3 seeds (see below)
     eval: 4                        # optional; mhc-jax eval (probes) on 4 batches after each run
     variants:                      # optional; named versions of the sweep (see below)

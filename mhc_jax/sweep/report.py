@@ -1523,8 +1523,5 @@ def write_report(
   md_path = out / "summary.md"
   md_path.write_text("\n".join(md))
   paths["summary_md"] = str(md_path)
-  # Transitional: runner.py and cli.py print paths["index_html"] as the report's main page; it is
-  # summary.md now (no HTML). Remove once they read "summary_md".
-  paths["index_html"] = paths["summary_md"]
 
   return paths
