@@ -37,24 +37,29 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def gpu_command(study: Path) -> list[str] | None:
-  """The header's ``mhc-jax sweep ... _gpu ...`` command, split; None without one."""
+  """The header's ``mhc-jax sweep ... _gpu ...`` or ``... --variant gpu ...`` command, split;
+  None without one."""
   for line in study.read_text().splitlines():
     if not line.startswith("#"):
       break
     text = line[1:].strip()
-    if text.startswith("mhc-jax sweep ") and "_gpu" in text:
+    if text.startswith("mhc-jax sweep ") and ("_gpu" in text or "--variant gpu" in text):
       return shlex.split(text.split(" #")[0])
   return None
 
 
 def gpu_sweep(study: Path):
-  """(sweep file, --set overrides) of a study's GPU-sized variant."""
+  """(sweep file, --set overrides, --variant or None) of a study's GPU-sized variant."""
   argv = gpu_command(study)
   if argv is None:
     return None
-  path, sets, i = None, [], 2
+  path, sets, variant, i = None, [], None, 2
   while i < len(argv):
     a = argv[i]
+    if a == "--variant":
+      variant = argv[i + 1]
+      i += 2
+      continue
     if a == "--set":
       i += 1
       while i < len(argv) and not argv[i].startswith("--"):
@@ -67,7 +72,7 @@ def gpu_sweep(study: Path):
     if not a.startswith("--") and path is None:
       path = ROOT / a
     i += 1
-  return path, sets
+  return path, sets, variant
 
 
 def short_overrides(cfg, steps: int) -> dict:
@@ -94,8 +99,8 @@ def measure(study: Path, steps: int, warmup: int, sets: list[str]) -> dict | Non
   found = gpu_sweep(study)
   if found is None:
     return None
-  path, study_sets = found
-  sweep = grid.load_sweep(path, study_sets)
+  path, study_sets, variant = found
+  sweep = grid.load_sweep(path, study_sets, variant=variant)
   vocab = None  # the data's, the same for every run of a study; known once one is prepared
 
   def flops_per_step(c):
@@ -156,7 +161,7 @@ def main(argv=None) -> int:
   failed, seen = 0, set()
   for study in files:
     found = gpu_sweep(study)
-    key = None if found is None else (str(found[0]), tuple(found[1]))
+    key = None if found is None else (str(found[0]), tuple(found[1]), found[2])
     if key in seen:  # two headers naming one GPU sweep (a study and its _gpu file): once
       print(f"{study.name}: the same GPU variant as a study above", flush=True)
       continue

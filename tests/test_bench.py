@@ -312,7 +312,7 @@ def test_gpu_check_runs_at_toy_size(tmp_path):
   att = {x["impl"]: x for x in rep["step_bench"]["attention"]["rows"]}
   assert att["xla"]["fwd_bwd_ms"] > 0 and "error" in att["cudnn"]
   studies = {s["study"]: s for s in rep["studies"]["studies"]}
-  assert {"bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale_gpu.yaml"} <= set(studies)
+  assert {"bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale.yaml"} <= set(studies)
   assert all("error" not in s and s["step_s"] > 0 for s in studies.values()), studies
   assert "| mhc_lite | bf16 |" in r.stdout
 

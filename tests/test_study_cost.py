@@ -19,10 +19,10 @@ def test_every_study_names_a_gpu_variant_that_validates():
 
   studies = [p for p in sorted((ROOT / "configs" / "studies").glob("*.yaml"))]
   found = {p.name: study_cost.gpu_sweep(p) for p in studies}
-  for name in ("bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale_gpu.yaml"):
+  for name in ("bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale.yaml", "bayes_thesis.yaml"):
     assert found[name] is not None, name
-    path, sets = found[name]
-    sweep = grid.load_sweep(path, sets)
+    path, sets, variant = found[name]
+    sweep = grid.load_sweep(path, sets, variant=variant)
     assert max(r.cfg.model.width for r in sweep.runs) >= 256, name  # GPU-sized, not the CPU one
 
 
@@ -42,7 +42,7 @@ def test_toy_study_cost(tmp_path, capsys):
     f"# toy study\n#   mhc-jax sweep {sweep} --out sweeps_out/toy_gpu --set model.depth=2 "
     "optim.lr=1e-3 --dry-run\nname: x\n"
   )
-  assert study_cost.gpu_sweep(study) == (sweep, ["model.depth=2", "optim.lr=1e-3"])
+  assert study_cost.gpu_sweep(study) == (sweep, ["model.depth=2", "optim.lr=1e-3"], None)
   assert study_cost.main([str(study), "--steps", "3", "--warmup", "1"]) == 0
   out = capsys.readouterr().out
   assert "costliest run width=16" in out, out
