@@ -247,6 +247,15 @@ def test_config_hash_as_before(expected):
   assert config_hash(from_dict(HASHES[expected])) == expected
 
 
+def test_run_written_before_a_key_was_removed_still_loads():
+  """A run directory's config.yaml from before a key's removal, with the key at the only value
+  it could still mean, loads (eval and report read old runs) and keeps its hash."""
+  old = to_dict(Config())
+  old["train"].update(inject_nonfinite_at=-1, population_mode="vmap")
+  assert from_dict(old) == Config()
+  assert config_hash(from_dict(old)) == config_hash(Config())
+
+
 def test_config_hash():
   a = Config()
   assert config_hash(a) == config_hash(Config()) and len(config_hash(a)) == 10
@@ -280,7 +289,8 @@ def test_frozen_and_replace_revalidates():
     (["optim.lr=-0.1"], "optim.lr: must be > 0, got -0.1"),
     (["optim.lr=0"], "optim.lr: must be > 0"),
     (["model.dept=3"], "model.dept: unknown key (did you mean model.depth?)"),
-    (["train.inject_nonfinite_at=2"], "train.inject_nonfinite_at: unknown key"),  # a test hook
+    (["train.inject_nonfinite_at=2"], "train.inject_nonfinite_at: removed"),  # a test hook
+    (["train.population_mode=unroll"], "train.population_mode: removed"),  # CPU-only tuning
     (["modle.depth=3"], "modle: unknown key (did you mean model?)"),
     (["train.steps=ten"], "train.steps: expected int, got str 'ten'"),
     (["train.steps=true"], "train.steps: expected int, got bool True"),

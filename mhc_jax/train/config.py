@@ -352,10 +352,6 @@ class TrainConfig:
   spike_threshold: float = Field(6.0, gt=0)  # in standard deviations of the trailing window
   halt_on_divergence: bool = False
   tensorboard: bool = False  # also write TensorBoard event files to <run>/tb (extra: tb)
-  # How a population's members share one program (mhc_jax.sweep.population): "vmap" batches
-  # them (accelerators: bigger kernels); "unroll" writes one step per member into the program
-  # (the CPU, mixers with many small ops: 4 mhc members 1.35x faster, compile 2.5x slower).
-  population_mode: Literal["vmap", "unroll"] = "vmap"
 
 
 @_section("mesh")
@@ -470,6 +466,7 @@ def from_dict(d: Mapping | None) -> Config:
     sub = d.get(key) or {}  # absent, or `model:` with nothing under it
     if not isinstance(sub, Mapping):
       raise ConfigError(f"{key}: expected a mapping, got {_show(sub)}")
+    sub = _drop_retired(key, sub)
     for k in sub:
       if not isinstance(k, str) or k not in _fields(cls):
         raise _unknown_key(key, k, _fields(cls))
@@ -592,7 +589,25 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
 
 # Keys since removed from the config, with the one value they had: hashed as before, so run
 # directories and sweeps made before the removal keep their hashes.
-_RETIRED = {"train": {"inject_nonfinite_at": -1}}  # a test hook, gone from the step
+_RETIRED = {
+  "train": {
+    "inject_nonfinite_at": -1,  # a test hook, gone from the step
+    "population_mode": "vmap",  # "unroll" was CPU-only tuning; populations are vmapped
+  }
+}
+
+
+def _drop_retired(section: str, sub: Mapping) -> Mapping:
+  """`sub` without retired keys that hold their one remaining value (old run directories load);
+  a retired key set to anything else is an error, since that setting no longer exists."""
+  retired = _RETIRED.get(section, {})
+  for k in [k for k in sub if k in retired]:
+    if sub[k] != retired[k]:
+      raise ConfigError(
+        f"{section}.{k}: removed; only {retired[k]!r} (what every run now does) is accepted,"
+        f" got {_show(sub[k])}"
+      )
+  return {k: v for k, v in sub.items() if k not in retired}
 
 
 def config_hash(cfg: Config, length: int = 10) -> str:
