@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax import evaluate, hostmem
+from mhc_jax import evaluate
 from mhc_jax.baselines import WindowMLP, match_width, param_count, window_mlp_param_count
 from mhc_jax.train import config as C
 from mhc_jax.train.loop import host_batch, prepare, train
@@ -252,5 +252,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  hostmem.ensure()  # malloc with huge pages, as mhc-jax runs (mhc_jax/hostmem.py)
   sys.exit(main())

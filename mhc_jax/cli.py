@@ -13,7 +13,6 @@ import argparse
 import os
 import sys
 
-from mhc_jax import hostmem
 from mhc_jax.errors import (
   EXIT_HALTED,
   EXIT_PREEMPTED,
@@ -210,8 +209,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-  if argv is None:  # run as a program: malloc with huge pages (mhc_jax/hostmem.py)
-    hostmem.ensure()
   args = build_parser().parse_args(argv)
   try:
     return args.fn(args)

@@ -11,7 +11,7 @@ below, never above:
 
 0. the ground: every top-level module and package but those named below: the science
    (sinkhorn, mixers, model, diagnostics, spikes, data, posterior, probes, testing, baselines)
-   and the plumbing it shares with training (errors, storage, hostmem, rundir, logs, tb);
+   and the plumbing it shares with training (errors, storage, rundir, logs, tb);
 1. ``mhc_jax.train``: one training run;
 2. ``mhc_jax.evaluate``: a trained run's held-out evaluation (it restores train's state);
 3. the sweep's parts (``mhc_jax.sweep``, but grid and runner): the settings, the manifest, the
