@@ -333,3 +333,89 @@ def test_a_job_sent_sigusr2_is_requeued_and_resumes(requeued_sweep, tiny_sweep):
   )
   _same_logs(out / "runs" / "mixer=mhc", tiny_sweep["out"] / "runs" / "mixer=mhc")
   assert json.loads((out / "manifest.json").read_text())["runs"]["mixer=mhc"]["status"] == "done"
+
+
+# =========================================================================== a planted crash
+# A job killed mid-run (as the OOM killer would), planted from outside the production code: a
+# sitecustomize.py on the jobs' PYTHONPATH wraps train.loop.host_batch so that the hc run's
+# process SIGKILLs itself when it asks for training batch CRASH_STEP.
+CRASH_STEP = 15
+PLANT = """
+import os
+if os.environ.get("PLANT_CRASH_MIXER"):
+  import signal
+  from mhc_jax.train import loop
+
+  _host_batch = loop.host_batch
+
+  def host_batch(source, cfg, step, split="train"):
+    if split == "train" and step == {step} and cfg.model.mixer == os.environ["PLANT_CRASH_MIXER"]:
+      os.kill(os.getpid(), signal.SIGKILL)
+    return _host_batch(source, cfg, step, split)
+
+  loop.host_batch = host_batch
+"""
+
+
+def _build_crashed(root: Path) -> dict:
+  f = _tiny_file(root, "tinycrash", ["residual", "hc"])
+  out = root / "sweep"
+  plant = root / "plant"
+  plant.mkdir(exist_ok=True)
+  (plant / "sitecustomize.py").write_text(PLANT.format(step=CRASH_STEP))
+  pythonpath = os.pathsep.join(filter(None, [str(plant), os.environ.get("PYTHONPATH")]))
+  cache = root.parent / "tiny_sweep" / "jax_cache"
+  planted = sweep_env(cache, PYTHONPATH=pythonpath, PLANT_CRASH_MIXER="hc")
+  cmd = [sys.executable, "-m", "mhc_jax.cli", "sweep", str(f), "--out", str(out), "--parallel", "2"]
+  rec: dict = {"out": str(out)}
+
+  def run(env):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)
+    return {"rc": r.returncode, "out": r.stdout, "err": r.stderr[-3000:]}
+
+  rec["first"] = run(planted)  # hc's job dies at step CRASH_STEP; residual trains on
+  rec["hc_summary"] = json.loads((out / "runs" / "mixer=hc" / "summary.json").read_text())
+  rec["hc_steps"] = _steps(out / "runs" / "mixer=hc" / "metrics.jsonl")
+  rec["residual_digest"] = _digest(out / "runs" / "mixer=residual" / "metrics.jsonl")
+  rec["again"] = run(planted)  # a failed run is kept as it is: nothing trains
+  (out / "runs" / "mixer=hc").rename(root / "failed_hc")  # to retry a failed run, remove it
+  rec["retry"] = run(sweep_env(cache))  # no plant: hc trains to the end
+  rec["residual_digest_after"] = _digest(out / "runs" / "mixer=residual" / "metrics.jsonl")
+  return rec
+
+
+@pytest.fixture(scope="session")
+def crashed_sweep(tmp_path_factory, tiny_sweep) -> dict:  # noqa: F811
+  root = _shared_dir(tmp_path_factory) / "crashed_sweep"
+  root.mkdir(exist_ok=True)
+  with open(root / "lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    done = root / "record.json"
+    if not done.exists():
+      done.write_text(json.dumps(_build_crashed(root)))
+    rec = json.loads(done.read_text())
+  rec["out"] = Path(rec["out"])
+  return rec
+
+
+@pytest.mark.slow
+def test_a_crashed_job_fails_only_its_run(crashed_sweep, tiny_sweep):  # noqa: F811
+  first, out = crashed_sweep["first"], crashed_sweep["out"]
+  # the sweep goes on, exits 1 (some run failed), and says which run failed and why
+  assert first["rc"] == 1, first
+  assert crashed_sweep["hc_summary"]["status"] == "failed"
+  msg = crashed_sweep["hc_summary"]["message"]
+  assert "died without a result (its process was killed or exited" in msg, msg
+  assert max(crashed_sweep["hc_steps"]) < CRASH_STEP  # it died where it was planted
+  # the other run trained to the end, exactly as in the sequential reference
+  _same_logs(out / "runs" / "mixer=residual", tiny_sweep["out"] / "runs" / "mixer=residual")
+  # a re-run keeps both as they are (nothing retrains); after removing the failed run, a
+  # re-run trains only it, and the sweep is done
+  again = crashed_sweep["again"]
+  assert again["rc"] == 1 and "all 2 runs are finished (1 done, 1 failed)" in again["out"], again
+  retry = crashed_sweep["retry"]
+  assert retry["rc"] == 0 and "(1 done, 0 failed, 1 to run)" in retry["out"], retry
+  assert crashed_sweep["residual_digest"] == crashed_sweep["residual_digest_after"]
+  _same_logs(out / "runs" / "mixer=hc", tiny_sweep["out"] / "runs" / "mixer=hc")
+  m = json.loads((out / "manifest.json").read_text())
+  assert {i["status"] for i in m["runs"].values()} == {"done"}

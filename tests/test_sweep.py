@@ -255,6 +255,38 @@ def test_a_run_is_finished_when_its_summary_says_so(tmp_path):
   assert runner.run_status(d) == ("failed", "failed")
 
 
+def test_a_dead_jobs_error_names_the_signal_not_the_last_log_line(tmp_path):
+  """A job whose process died (an OOM kill) has no result; the error says how it died, not the
+  last line of its stderr (a warning, as often as not)."""
+  import subprocess
+  import sys
+
+  from submitit.core.utils import UncompletedJobError
+
+  proc = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), 9)"])
+  proc.wait()
+  out = tmp_path / "7.out"
+  out.write_text("mixer=hc: training from step 0\n")
+
+  class DeadJob:  # what submitit's LocalJob shows of a process that was killed
+    job_id, state, _process = "7", "INTERRUPTED", proc
+    paths = type("P", (), {"stdout": out})()
+
+    def stdout(self):
+      return out.read_text()
+
+  e = UncompletedJobError(
+    "Job 7 (task: 0) with path r.pkl\nhas not produced any output (state: INTERRUPTED)\n"
+    "Error stream produced:\n----\nWARNING:absl:Type handler registry type overriding"
+  )
+  msg = runner._job_error(DeadJob(), e)
+  assert msg.startswith("job 7 died without a result (killed by SIGKILL)"), msg
+  assert "WARNING" not in msg and "training from step 0" in msg
+  assert runner._job_error(DeadJob(), ValueError("bad\nfinal line")).startswith(
+    "job 7 failed: final line"
+  )
+
+
 def test_a_dead_job_leaves_a_failed_summary_saying_why(tmp_path):
   done, raised, killed = (tmp_path / n for n in ("done", "raised", "killed"))
   rundir.write_summary(done, {"status": "done", "steps": 5})

@@ -306,14 +306,25 @@ def _fail(run_dir, error: str) -> None:
 
 
 def _job_error(job, e: Exception) -> str:
-  text = [line.strip() for line in str(e).splitlines() if line.strip()]
+  """One line: how the job failed (a dead job: its signal or exit status; a raising one: the
+  exception's last line) and the end of its log."""
+  if type(e).__name__ == "UncompletedJobError":  # no result: the process died (OOM, a signal)
+    rc = getattr(getattr(job, "_process", None), "returncode", None)  # local jobs' process
+    # submitit's local controller exits 0 whatever its task died of: then all that is known is
+    # that the process ended without a result (a signal, the OOM killer, an exit mid-run)
+    how = f"exit status {rc}" if rc else f"its process was killed or exited; state {job.state}"
+    if rc is not None and rc < 0:
+      with contextlib.suppress(ValueError):
+        how = f"killed by {signal.Signals(-rc).name}"
+    head = f"job {job.job_id} died without a result ({how})"
+  else:
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    head = f"job {job.job_id} failed: {text[-1] if text else type(e).__name__}"
   try:
     log = [line.strip() for line in job.stdout().splitlines() if line.strip()][-3:]
   except Exception:  # noqa: BLE001 - no log
     log = []
-  return f"job {job.job_id} failed: {text[-1] if text else type(e).__name__}" + (
-    f"; log {job.paths.stdout}: {' | '.join(log)}" if log else ""
-  )
+  return head + (f"; log {job.paths.stdout}: {' | '.join(log)}" if log else "")
 
 
 def _gpu_ids() -> list[int]:
