@@ -21,11 +21,27 @@ import pandas as pd
 import yaml
 from scipy import stats
 
+from mhc_jax import geometry_plots
+
 HERE = pathlib.Path(__file__).parent
 PRIMARY_STEPS = (999, 1249, 1499, 1749, 1999)
 THRESHOLD_BITS = 0.03  # header-only / 10 on this task
 PRIMARY = [("hc", "mhc")]
 SECONDARY = [("mhc", "residual"), ("mhc", "mhc_identity"), ("hc", "residual")]
+# Exploratory geometry scores (mhc_jax/geometry_plots.py's CSV fields, from eval.json): the
+# papers' key orthogonality (mean |cos| over random directions' at layer 0, log scale: < 1 is
+# more orthogonal than chance), its z against the random null, the value manifold's |corr(PC1,
+# posterior entropy)| and its z against shuffled entropies, and the same correlation with
+# position partialled out. HMM filtering has no retrieval target, so no q-k alignment score.
+GEOMETRY = [
+  "kl_bits",
+  "key_ratio_to_random_layer0",
+  "key_z_layer0",
+  "value_abs_corr_pc1_entropy",
+  "value_corr_z",
+  "value_abs_corr_within_position",
+]
+LOG_SCALE = {"kl_bits", "key_ratio_to_random_layer0"}
 
 
 def _last_layer(v):
@@ -66,6 +82,10 @@ def run_row(run: pathlib.Path) -> dict | None:
   }
   for s in steps:
     row[f"kl_bits@{s}"] = evals[s]
+  ev = run / "eval.json"
+  if ev.exists():  # exploratory: `mhc-jax eval --run RUN` on the final checkpoint
+    (scores,) = geometry_plots.score_rows({run.name: json.loads(ev.read_text())})
+    row.update({k: scores[k] for k in GEOMETRY})
   if diags:
     last = diags[-1]
     for k in ("stream_spread", "amax_fwd_composite_tok_max", "amax_bwd_composite_tok_max"):
@@ -113,6 +133,83 @@ def paired(df: pd.DataFrame, pairs, endpoint: str, family: str) -> pd.DataFrame:
   return out
 
 
+def _t_interval(x: np.ndarray, log: bool) -> tuple[float, float, float]:
+  """Mean and 95% t interval (on log2 and back when `log`)."""
+  x = np.log2(x) if log else x
+  n = len(x)
+  m, half = x.mean(), stats.t.ppf(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)
+  back = (lambda v: 2**v) if log else (lambda v: v)
+  return back(m), back(m - half), back(m + half)
+
+
+def exploratory(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+  """Per arm and depth: each geometry score's mean (geometric where LOG_SCALE) with its 95% t
+  interval; paired by seed: hc - mhc and mhc - residual (log2 ratios where LOG_SCALE). Intervals
+  only, no tests: these are not the pre-registered endpoint."""
+  cols = [c for c in GEOMETRY if c in df]
+  groups, pairs = [], []
+  for (depth, arm), g in df.groupby(["depth", "arm"]):
+    for c in cols:
+      x = g[c].dropna().to_numpy(float)
+      if len(x) >= 2:
+        m, lo, hi = _t_interval(x, c in LOG_SCALE)
+        groups.append(dict(depth=depth, arm=arm, score=c, n=len(x), mean=m, lo=lo, hi=hi))
+  for c in cols:
+    v = np.log2(df[c].astype(float)) if c in LOG_SCALE else df[c].astype(float)
+    for (a, b), depth in (
+      (ab, d) for ab in [("hc", "mhc"), ("mhc", "residual")] for d in sorted(df.depth.unique())
+    ):
+      at = df.assign(v=v)[df.depth == depth].pivot(index="seed", columns="arm", values="v")
+      if a in at and b in at:
+        d = (at[a] - at[b]).dropna().to_numpy()
+        if len(d) >= 2:
+          m, lo, hi = _t_interval(d, False)
+          pairs.append(
+            dict(
+              depth=depth,
+              comparison=f"{a} - {b}",
+              score=c,
+              n=len(d),
+              scale="log2 ratio" if c in LOG_SCALE else "difference",
+              diff=m,
+              lo=lo,
+              hi=hi,
+            )
+          )
+  return pd.DataFrame(groups), pd.DataFrame(pairs)
+
+
+def kl_figure(df: pd.DataFrame, path: pathlib.Path) -> None:
+  """KL to the exact posterior against training step, one panel per depth, one line per arm:
+  geometric mean over seeds with its 95% log-scale t band (the primary endpoint averages the
+  last five evaluations of these curves)."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  cols = sorted((c for c in df if c.startswith("kl_bits@")), key=lambda c: int(c.split("@")[1]))
+  steps = [int(c.split("@")[1]) + 1 for c in cols]
+  depths = sorted(df.depth.unique())
+  fig, axes = plt.subplots(1, len(depths), figsize=(4.2 * len(depths), 3.4), sharey=True)
+  for ax, depth in zip(np.atleast_1d(axes), depths):
+    for arm, color in zip(["residual", "hc", "mhc", "mhc_identity"], ["k", "C3", "C0", "C2"]):
+      g = df[(df.depth == depth) & (df.arm == arm)]
+      if not len(g):
+        continue
+      ms = [_t_interval(g[c].dropna().to_numpy(float), True) for c in cols]
+      ax.plot(steps, [m[0] for m in ms], color=color, label=f"{arm} (n={len(g)})")
+      ax.fill_between(steps, [m[1] for m in ms], [m[2] for m in ms], color=color, alpha=0.15)
+    ax.set_yscale("log")
+    ax.set_title(f"depth {depth}")
+    ax.set_xlabel("step")
+  np.atleast_1d(axes)[0].set_ylabel("KL(posterior || model), bits")
+  np.atleast_1d(axes)[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("sweep_dir", type=pathlib.Path)
@@ -136,9 +233,16 @@ def main() -> None:
   ep = "primary_mean_log2_kl"
   tab = pd.concat([paired(df, PRIMARY, ep, "primary"), paired(df, SECONDARY, ep, "secondary")])
   tab.to_csv(args.out / "paired.csv", index=False)
+  kl_figure(df, args.out / "kl_vs_step.png")
+  geo_groups, geo_paired = exploratory(df)
+  if len(geo_groups):
+    geo_groups.to_csv(args.out / "geometry_groups.csv", index=False)
+    geo_paired.to_csv(args.out / "geometry_paired.csv", index=False)
   with pd.option_context("display.width", 160, "display.precision", 3):
     print(groups.to_string(index=False))
     print(tab.to_string(index=False))
+    if len(geo_paired):
+      print(geo_paired.to_string(index=False))
 
 
 if __name__ == "__main__":
