@@ -210,6 +210,21 @@ def kl_figure(df: pd.DataFrame, path: pathlib.Path) -> None:
   plt.close(fig)
 
 
+def tables(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+  """From the per-run rows (runs.csv): groups (per depth and arm: n, mean and s.d. of the primary
+  endpoint, geometric-mean KL and its 95% log-scale t interval) and the pre-registered paired
+  differences (primary and secondary families, each Holm-corrected)."""
+  g = df.groupby(["depth", "arm"]).primary_mean_log2_kl
+  groups = g.agg(["count", "mean", "std"]).reset_index()
+  tcrit = stats.t.ppf(0.975, groups["count"].clip(lower=2) - 1)
+  half = tcrit * groups["std"] / np.sqrt(groups["count"])
+  groups["geomean_kl_bits"] = 2 ** groups["mean"]
+  groups["lo"], groups["hi"] = 2 ** (groups["mean"] - half), 2 ** (groups["mean"] + half)
+  ep = "primary_mean_log2_kl"
+  tab = pd.concat([paired(df, PRIMARY, ep, "primary"), paired(df, SECONDARY, ep, "secondary")])
+  return groups, tab
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("sweep_dir", type=pathlib.Path)
@@ -223,15 +238,8 @@ def main() -> None:
   df = pd.DataFrame(rows).sort_values(["depth", "arm", "seed"])
   args.out.mkdir(parents=True, exist_ok=True)
   df.to_csv(args.out / "runs.csv", index=False)
-  g = df.groupby(["depth", "arm"]).primary_mean_log2_kl
-  groups = g.agg(["count", "mean", "std"]).reset_index()
-  tcrit = stats.t.ppf(0.975, groups["count"].clip(lower=2) - 1)
-  half = tcrit * groups["std"] / np.sqrt(groups["count"])
-  groups["geomean_kl_bits"] = 2 ** groups["mean"]
-  groups["lo"], groups["hi"] = 2 ** (groups["mean"] - half), 2 ** (groups["mean"] + half)
+  groups, tab = tables(df)
   groups.to_csv(args.out / "groups.csv", index=False)
-  ep = "primary_mean_log2_kl"
-  tab = pd.concat([paired(df, PRIMARY, ep, "primary"), paired(df, SECONDARY, ep, "secondary")])
   tab.to_csv(args.out / "paired.csv", index=False)
   kl_figure(df, args.out / "kl_vs_step.png")
   geo_groups, geo_paired = exploratory(df)
