@@ -1,47 +1,7 @@
 """``mhc-jax sweep FILE [--out DIR] [--set K=V ...] [--dry-run] [--parallel K]
-[--executor local|slurm]``: run a sweep, resumably.
-
-The sweep directory (default ``sweeps_out/<name>``; local or ``gs://...``, through etils
-``epath``) holds::
-
-    manifest.json   {"name", "sweep_file", "base", "set", "axes", "population",
-                     "base_config" (base + set, resolved),
-                     "runs": {name: {"status": "pending" | "running" | "done" | "failed",
-                                     "overrides": {axis key: value}, "dir": "runs/<name>",
-                                     "error" (failed runs)}}}
-    runs/<name>/    a normal run directory (train.loop.train or a population member)
-    submitit/       parallel and cluster sweeps: the jobs' pickles and logs
-    report/         the report (mhc_jax.sweep.report.write_report)
-
-A run is finished when its ``summary.json`` says so: ``done`` or ``diverged`` (trained to the
-end) count as done, ``halted`` (stopped by policy) or ``failed`` (an exception, or a job that
-died: the sweep writes that summary for it) as failed. ``manifest.json`` is written only by the
-sweep command (process 0), atomically, and its statuses are read off the summaries; nothing
-else is shared between jobs. Re-running a sweep continues it: finished runs are kept as they
-are (delete a failed run's directory to retry it); any other run trains, resuming from its
-newest checkpoint (the logs past it are dropped first, so every step is logged once) or from
-scratch when it has none. One trainer per run directory (:class:`mhc_jax.rundir.Lock`): a run
-that another sweep command is training is waited for, then skipped if that one finished it.
-A finished sweep prints that all runs are done, writes nothing, and exits 0.
-
-Without ``--parallel``/``--executor`` the runs train here, one after another, over all devices
-(several processes with jax.distributed train each run together). With them, each unit (a run,
-or a population) is a submitit job: ``local`` (submitit's LocalExecutor, the default; up to K
-at once, GPUs split between them) or ``slurm`` (a SLURM job per unit; without ``--parallel`` all
-are queued at once). The sweep file's ``executor:`` mapping holds ``kind`` and submitit
-parameters (``mhc_jax.sweep.options``). A job sent SIGUSR2 (submitit's warning before a time
-limit or preemption) saves a checkpoint and is requeued; its next life resumes from it. Ctrl-C
-or SIGTERM: local jobs save a checkpoint and stop; SLURM jobs keep running (re-run the command
-to watch them and write the report).
-
-A changed sweep file: a sweep directory belongs to one base config (base file + ``set`` +
-``--set``) and one set of axis keys. Changing either is an error naming the key (use another
-``--out``); adding values to an axis adds only the new runs; runs whose values were removed
-stay in the manifest and the report.
-
-Exit codes (:mod:`mhc_jax.errors`): 0 every run done; 1 some run failed (the report is still
-written); 2 bad input (nothing written); 143 SIGTERM or Ctrl-C (re-run to continue).
-"""
+[--executor local|slurm] [--variant NAME]``: run a sweep, resumably. The sweep directory's layout,
+when a run counts as finished, resume, executors, a changed sweep file and the exit codes are
+described in docs/sweeps.md."""
 
 from __future__ import annotations
 
