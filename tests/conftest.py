@@ -45,6 +45,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 
 import pytest  # noqa: E402
+from fake_gcs import gcs  # noqa: E402, F401  (the gs:// fixture, for any test)
 
 
 def pytest_unconfigure(config):

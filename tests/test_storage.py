@@ -11,56 +11,14 @@ import json
 import math
 import os
 
-import fsspec
 import pytest
-from fsspec.implementations.memory import MemoryFileSystem
+from fake_gcs import keys as _keys  # the gcs fixture comes from conftest
 
 from mhc_jax import logs, rundir, storage
 from mhc_jax.errors import RunLocked
 from mhc_jax.train.config import load_config, save_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class FakeGCS(MemoryFileSystem):
-  """An in-memory filesystem answering for gs:// (and gcs://, the name epath asks for)."""
-
-  protocol = ("gs", "gcs")
-  store: dict = {}
-  pseudo_dirs = [""]
-
-  @classmethod
-  def _strip_protocol(cls, path):
-    for pre in ("gs://", "gcs://"):
-      if path.startswith(pre):
-        path = path[len(pre) :]
-    return MemoryFileSystem._strip_protocol(path)
-
-
-@pytest.fixture
-def gcs(tmp_path, monkeypatch):
-  """``gs://bucket`` in memory; the test runs in an empty local directory it checks stays so."""
-  import importlib
-
-  registry = importlib.import_module("fsspec.registry")  # the module (fsspec.registry is a view)
-  saved = {n: registry._registry.get(n) for n in FakeGCS.protocol}
-  for n in FakeGCS.protocol:
-    fsspec.register_implementation(n, FakeGCS, clobber=True)
-  FakeGCS.store.clear()
-  FakeGCS.pseudo_dirs[:] = [""]
-  monkeypatch.chdir(tmp_path)
-  yield "gs://bucket"
-  for n, cls in saved.items():
-    if cls is None:
-      registry._registry.pop(n, None)
-    else:
-      registry._registry[n] = cls
-  FakeGCS.store.clear()
-  assert list(tmp_path.iterdir()) == [], "something was written to the local disk"
-
-
-def _keys() -> set[str]:
-  return {k.lstrip("/") for k in FakeGCS.store}
 
 
 def test_logs_and_config_go_to_the_object_store(gcs):
