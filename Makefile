@@ -32,12 +32,12 @@ demo: $(STAMP)
 	$(VENV)/bin/mhc-jax sweep configs/sweeps/quickstart.yaml
 
 bench: $(STAMP)  # measurements, not tests: each prints medians after warm-up
-	$(PY) benchmarks/compile_time.py
+	$(PY) benchmarks/step_bench.py --mode compile --width 64 --seq-len 64
 	$(PY) benchmarks/sinkhorn_bench.py
 	$(PY) benchmarks/population_bench.py
 	$(PY) benchmarks/layer_bench.py
 	$(PY) benchmarks/step_bench.py
-	$(PY) benchmarks/dot_ceiling.py
+	$(PY) benchmarks/step_bench.py --mode dots
 
 clean:
 	rm -rf $(VENV) .pytest_cache

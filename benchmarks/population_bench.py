@@ -21,9 +21,9 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import dot_ceiling
 import jax
 import numpy as np
+import step_dots
 import step_profile
 from timing import round_robin, timed
 
@@ -52,12 +52,12 @@ def main(argv=None) -> None:
     "--parts",
     action="store_true",
     help="then profile each population mode and one run's step: op time by part of the model "
-    "(benchmarks/step_profile.py)",
+    "(step_bench.py --mode profile)",
   )
   ap.add_argument(
     "--dots",
     action="store_true",
-    help="then time each program's dots alone (benchmarks/dot_ceiling.py): the speed-up the "
+    help="then time each program's dots alone (benchmarks/step_dots.py): the speed-up the "
     "population's matrix products give by themselves",
   )
   args = ap.parse_args(argv)
@@ -183,23 +183,23 @@ def dots_alone(cfg, setups, mesh, batch, modes, args) -> None:
     prog = population.programs(mcfg, mesh, p, stacked_batch=False)
     state = prog.init_all([with_overrides(s.cfg, {"model.scan": False}) for s in setups])
     text = prog.step.lower(state, lr_arr, active, batch, False).compile().as_text()
-    sets[f"population ({mode})"] = dot_ceiling.hlo_dots(text)
+    sets[f"population ({mode})"] = step_dots.hlo_dots(text)
   model, example = prog.model, prog.example  # the loop-form model, the same in every mode
   tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
   state, _ = create_state(model, example, tx, mesh, cfg.train.seed)
   step = jax.jit(make_train_step(model, tx, schedule, cfg), static_argnums=2)
-  sets["run"] = dot_ceiling.hlo_dots(step.lower(state, batch, False).compile().as_text())
-  times = dot_ceiling.time_dots(list(sets.values()), args.steps, args.warmup)
+  sets["run"] = step_dots.hlo_dots(step.lower(state, batch, False).compile().as_text())
+  times = step_dots.time_dots(list(sets.values()), args.steps, args.warmup)
   for net in (False, True):  # as timed; less one dispatch of a jitted call per dot
-    seq = [p * t for t in dot_ceiling.alone_per_round(sets["run"], times, net)]
+    seq = [p * t for t in step_dots.alone_per_round(sets["run"], times, net)]
     print(
-      f"-- dots alone{', less one dispatch per dot' if net else ''} (benchmarks/dot_ceiling.py): "
+      f"-- dots alone{', less one dispatch per dot' if net else ''} (benchmarks/step_dots.py): "
       f"one run {sum(sets['run'].values())} dots, {statistics.median(seq) / p * 1e3:.1f} ms; "
       f"{p} runs {statistics.median(seq) * 1e3:.1f} ms"
     )
     for k in sets:
       if k != "run":
-        pop = dot_ceiling.alone_per_round(sets[k], times, net)
+        pop = step_dots.alone_per_round(sets[k], times, net)
         print(
           f"{k}: {sum(sets[k].values())} dots, {statistics.median(pop) * 1e3:.1f} ms, speed-up "
           f"{statistics.median(a / b for a, b in zip(seq, pop)):.2f}x over the {p} runs' dots"

@@ -1,49 +1,44 @@
-"""Train-step speed against the machine: median step time, tokens/s and achieved GFLOP/s for
-each mixer, next to the same process's dense-matmul rate, so every figure is a ratio.
+"""The train step against the machine, in one of four modes (one step, one set of shape options:
+benchmarks/train_step.py builds the project's own jitted train step for every mode).
 
-    python benchmarks/step_bench.py                       # the issue-14 shape, core variants
+    python benchmarks/step_bench.py                       # --mode time at the issue-14 shape
     python benchmarks/step_bench.py --mixers residual,mhc --variants scan,loop,diag
     python benchmarks/step_bench.py --width 2048 --depth 8 --batch 8 --seq-len 1024 # GPU size
-    python benchmarks/step_bench.py ... --matmul 8192x8192x8192   # a reference a GPU can fill
+    python benchmarks/step_bench.py --mode dots --mixers residual,hc,mhc --steps 9
+    python benchmarks/step_bench.py --mode profile --mixers mhc --width 64 --depth 4 --heads 2 \
+        --batch 16 --seq-len 64 --sum 'project_res/(closed_call/)?while'  # mHC's Sinkhorn loops
+    python benchmarks/step_bench.py --mode compile --mixers mhc --depths 4 32 --width 64
 
-Shape (default): width 256, 8 blocks, 8 sequences x 256 tokens, vocabulary 256, AdamW, the
-project's own train step (``mhc_jax.train.step.make_train_step``) jitted with the state donated,
-on one device. Variants: ``scan`` (nn.scan, diagnostics off), ``loop`` (Python loop over blocks),
-``diag`` (scan with the per-layer diagnostics on), ``bf16`` (scan, bfloat16 compute), and any
-of these with config overrides after ``+`` (``scan+model.remat=full``: an A/B row in the same
-rounds as the plain one). An override whose key starts with ``xla_`` is an XLA compiler option
-for that row's executable instead (``scan+xla_cpu_prefer_vector_width=512``; an enum option
-takes the proto's value name, e.g. ``xla_cpu_experimental_ynn_fusion_type=
-LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT``, which replaces the default list): XLA flags, which
-``XLA_FLAGS`` sets only per process, compared in one process.
+Modes:
 
-Model FLOPs per step = 3 x forward (forward + backward), forward per token =
-2 x (matmul parameters, embedding excluded, the head counted once) + the attention score and
-value products (2 x 2 x T x C per block, causal counted in full). Mixer arithmetic is not
-counted: an mHC step that takes longer shows as a lower rate. ``xla_gflop`` is XLA's own count
-of the compiled step (cost analysis), for reference.
+- ``time`` (here): median step time, tokens/s and achieved GFLOP/s per mixer and variant, next
+  to the same process's dense-matmul rate, so every figure is a ratio.
+- ``dots`` (step_dots.py): the step's dots alone, a ceiling on ``time``'s share of matmul.
+- ``profile`` (step_profile.py): ``jax.profiler`` op time per place and part of the model.
+- ``compile`` (step_compile.py): compile time against depth, scan against a Python loop.
 
-Every row is compiled first; then the rows are timed round-robin, ``--steps`` rounds after
-``--warmup`` untimed ones, each round one step of every row (blocked on) and three dense matmuls.
-A row's time is its median over rounds; "of matmul" and every ratio are medians of the same
-round's figures, so the VM's speed drifting during the run (its matmul rate has moved 92-152
-GFLOP/s between runs minutes apart) cancels out of them. On the 2-core CPU the default run takes
-about 10 minutes; nothing else should run then. Each row also reports its median minor page
-faults and kernel (system) CPU seconds per step (warm-up rounds included).
-
-The accelerator check (``benchmarks/gpu_check.sh``) adds ``--matmul-dtype bfloat16`` (the
-reference matmul in bf16, so "of matmul" is the MFU against the device's own bf16 matmul rate),
-``--attention BxHxTxD`` (attention's forward + backward alone, each ``model.attention``
-formulation side by side: ``materialized``, ``xla``, jax's own XLA form over the whole ``[T, T]``
-scores, ``cudnn`` where the device has it; with XLA's count of each program's temporary memory)
-and ``--json`` (everything, rewritten after each part, so a run stopped by a time limit keeps
-what it measured); at the end a markdown table of the rows with their ratio to residual.
+``time``: variants ``scan`` (nn.scan, diagnostics off), ``loop`` (Python loop over blocks),
+``diag`` (scan with the per-layer diagnostics on), ``bf16`` (scan, bfloat16 compute), and any of
+these with config overrides after ``+`` (``scan+model.remat=full``: an A/B row in the same rounds
+as the plain one). An override whose key starts with ``xla_`` is an XLA compiler option for that
+row's executable instead (``scan+xla_cpu_prefer_vector_width=512``; ``:`` separates a list
+value's items): XLA flags, which ``XLA_FLAGS`` sets only per process, compared in one process.
+Model FLOPs are train_step.model_flops (mixer arithmetic not counted); ``xla_gflop`` is XLA's
+own count of the compiled step. Every row is compiled first; then the rows are timed
+round-robin, ``--steps`` rounds after ``--warmup`` untimed ones, each round one step of every row
+and three dense matmuls; a row's time is its median over rounds and every ratio a median of the
+same round's figures, so the VM's speed drifting during the run cancels out of them. Each row
+also reports its median minor page faults and kernel CPU seconds per step. The accelerator check
+(``benchmarks/gpu_check.sh``) adds ``--matmul-dtype bfloat16`` (MFU against the device's own
+bf16 matmul), ``--attention BxHxTxD`` (attention's forward + backward alone, each
+``model.attention`` formulation side by side, with XLA's count of each program's temporary
+memory) and ``--json`` (everything, rewritten after each part); at the end a markdown table of
+the rows with their ratio to residual.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import resource
@@ -51,39 +46,25 @@ import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from timing import median_time, round_robin, timed
+import train_step
+from timing import round_robin, timed
+from train_step import MATMUL, matmul_fn, model_flops
 
+from mhc_jax import mixers as registry
 from mhc_jax.errors import ConfigError
-from mhc_jax.model import Transformer, layers
+from mhc_jax.model import layers
 from mhc_jax.train.config import load_config
-from mhc_jax.train.optim import make_optimizer
-from mhc_jax.train.state import State
-from mhc_jax.train.step import make_train_step
 
+MODES = ("time", "dots", "profile", "compile")
 VARIANTS = ("scan", "loop", "diag", "bf16")
-
-
-MATMUL = (2048, 1024, 4096)  # the reference matmul's [m, k] @ [k, n] (--matmul)
-
-
-def matmul_fn(m: int, k: int, n: int, dtype=jnp.float32):
-  """``(call, flops)``: one dense ``[m, k] @ [k, n]`` matmul in ``dtype``, jitted and warmed up."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (m, k), dtype)
-  b = jax.random.normal(jax.random.PRNGKey(1), (k, n), dtype)
-  f = jax.jit(jnp.matmul)
-  jax.block_until_ready(f(a, b))
-  return (lambda: f(a, b)), 2 * m * k * n
-
-
-def matmul_rate(steps: int = 10, mkn=MATMUL, dtype=jnp.float32) -> float:
-  """GFLOP/s of the dense matmul of ``matmul_fn`` in this process (median of ``steps``)."""
-  call, flops = matmul_fn(*mkn, dtype=dtype)
-  _, t = median_time(call, steps, 3)
-  return flops / t / 1e9
-
+DEFAULT_MIXERS = {
+  "time": "residual,hc,mhc,mhc_lite",
+  "dots": "residual",
+  "profile": "mhc",
+  "compile": "mhc",
+}
 
 ATTENTION_IMPLS = ("materialized", "xla", "jax_xla", "cudnn")
 
@@ -173,35 +154,6 @@ def print_table(rows: list[dict], matmul_dtype: str) -> None:
     )
 
 
-def model_flops(cfg, tokens: int, seq_len: int) -> float:
-  """Training FLOPs of one step (3 x forward), mixers excluded (see the module docstring)."""
-  m, c = cfg.model, cfg.model.width
-  hidden = int(c * m.mlp_ratio)
-  per_block = 4 * c * c + 2 * c * hidden  # q, k, v, out; up, down
-  matmul_params = m.depth * per_block + c * m.vocab  # + the LM head
-  fwd = 2 * matmul_params + m.depth * 2 * 2 * seq_len * c  # + scores and values
-  return 3.0 * fwd * tokens
-
-
-def build(cfg, variant: str):
-  """(jitted step, state, batch) for a config and variant."""
-  model = Transformer(cfg.model)
-  b, t = cfg.data.batch_size, cfg.data.seq_len
-  tokens = jax.random.randint(jax.random.PRNGKey(2), (b, t + 1), 0, cfg.model.vocab)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": jnp.ones((b, t))}
-  tx, schedule = make_optimizer(cfg.optim, 1000)
-  params = nn.meta.unbox(model.init(jax.random.PRNGKey(0), batch["inputs"]))
-  state = State(
-    step=jnp.zeros((), jnp.int32),
-    params=params,
-    opt_state=tx.init(params),
-    nonfinite=jnp.zeros((), jnp.int32),
-  )
-  step = make_train_step(model, tx, schedule, cfg)
-  fn = jax.jit(functools.partial(step, diag=variant == "diag"), donate_argnums=0)
-  return fn, state, batch
-
-
 def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
   """Build and compile one row: ``{"mixer", "variant", "cfg", "call", "compile_s", "xla_gflop"}``;
   ``call()`` runs one step (the state donated and carried in a box) and returns its loss."""
@@ -213,7 +165,7 @@ def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
   if kind == "bf16":
     ov.append("model.dtype=bfloat16")
   cfg = load_config(None, ov + extra)
-  fn, state, batch = build(cfg, kind)
+  fn, state, batch = train_step.build(cfg, kind)
   t0 = time.perf_counter()
   exe = fn.lower(state, batch).compile(compiler_options=options or None)
   compile_s = time.perf_counter() - t0
@@ -312,119 +264,115 @@ def paired(rows: list[dict], a: tuple, b: tuple) -> float | None:
   return statistics.median(x / y for x, y in zip(by[a], by[b]))
 
 
-def add_shape_args(ap: argparse.ArgumentParser, steps: int) -> None:
-  """The step's shape, timing and reference-matmul options (shared with dot_ceiling.py)."""
-  ap.add_argument("--width", type=int, default=256)
-  ap.add_argument("--depth", type=int, default=8)
-  ap.add_argument("--heads", type=int, default=4)
-  ap.add_argument("--batch", type=int, default=8)
-  ap.add_argument("--seq-len", type=int, default=256)
-  ap.add_argument("--vocab", type=int, default=256)
-  ap.add_argument("--n", type=int, default=4, help="streams for multi-stream mixers")
-  ap.add_argument("--steps", type=int, default=steps)
-  ap.add_argument("--warmup", type=int, default=2)
-  ap.add_argument(
-    "--matmul",
-    default="x".join(map(str, MATMUL)),
-    metavar="MxKxN",
-    help="the reference matmul [M, K] @ [K, N] (smaller: quicker, for toy runs)",
-  )
-  ap.add_argument(
-    "--matmul-dtype",
-    default="float32",
-    choices=("float32", "bfloat16"),
-    help="the reference matmul's dtype (bfloat16: the MFU of a bf16 run on an accelerator)",
-  )
-  ap.add_argument(
-    "--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides after the shape's"
-  )
-
-
-def parse_matmul(text: str) -> tuple | None:
-  """``(M, K, N)`` from ``--matmul MxKxN``; None (after one message on stderr) if malformed."""
-  try:
-    mkn = tuple(int(d) for d in text.split("x"))
-    if len(mkn) == 3 and min(mkn) >= 1:
-      return mkn
-  except ValueError:
-    pass
-  print(f"error: --matmul: expected MxKxN (positive integers), got {text!r}", file=sys.stderr)
-  return None
-
-
-def shape_overrides(args) -> list[str]:
-  """Config overrides for the shape options of ``add_shape_args`` (then ``--set``)."""
-  return [
-    f"model.width={args.width}",
-    f"model.depth={args.depth}",
-    f"model.heads={args.heads}",
-    f"model.vocab={args.vocab}",
-    f"data.batch_size={args.batch}",
-    f"data.seq_len={args.seq_len}",
-    "data.task=bijection",
-    "optim.warmup_steps=0",
-    "mesh.data=1",
-    *args.set,
-  ]
-
-
-def streams(mixer: str, n: int) -> list[str]:
-  """The ``--n`` override for a multi-stream mixer (residual takes none)."""
-  return [f"model.mixer_options.n={n}"] if mixer != "residual" else []
-
-
-def main(argv=None) -> int:
+def parse_args(argv):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--mixers", default="residual,hc,mhc,mhc_lite")
-  ap.add_argument(
+  ap.add_argument("--mode", default="time", choices=MODES)
+  ap.add_argument("--mixers", default=None, help="comma list ('all': every registered mixer)")
+  train_step.add_shape_args(ap, steps=5)
+  t = ap.add_argument_group("--mode time")
+  t.add_argument(
     "--variants",
     default="scan,loop,diag,bf16",
     help=f"comma list of {VARIANTS}; loop/diag/bf16 run for residual and mhc only "
     "unless --all-variants",
   )
-  ap.add_argument("--all-variants", action="store_true")
-  add_shape_args(ap, steps=5)
-  ap.add_argument(
+  t.add_argument("--all-variants", action="store_true")
+  t.add_argument(
     "--attention",
     default=None,
     metavar="BxHxTxD",
     help="first time attention's forward + backward alone, each implementation side by side",
   )
-  ap.add_argument("--attention-dtype", default="bfloat16", choices=("float32", "bfloat16"))
-  ap.add_argument("--json", default=None, help="also write the rows to this JSON file")
-  args = ap.parse_args(argv)
-  variants = [v for v in args.variants.split(",") if v]
-  mkn = parse_matmul(args.matmul)
-  if mkn is None:
-    return 2
-  att_shape = None
-  if args.attention:
-    try:
-      att_shape = tuple(int(x) for x in args.attention.split("x"))
-      assert len(att_shape) == 4 and min(att_shape) >= 1
-    except (ValueError, AssertionError):
-      print(f"error: --attention: expected BxHxTxD, got {args.attention!r}", file=sys.stderr)
-      return 2
-  mm_dtype = jnp.dtype(args.matmul_dtype)
-  bad = sorted({v for v in variants if v.split("+")[0] not in VARIANTS})
-  if bad:
-    print(f"error: --variants: unknown {bad}; known: {', '.join(VARIANTS)}", file=sys.stderr)
-    return 2
-  base = shape_overrides(args)
-  try:  # a bad --set is one clear message before anything runs
-    load_config(None, base)
-    for v in variants:
-      load_config(None, base + split_options(v.split("+")[1:])[0])
-  except ConfigError as e:
-    print(f"error: --set: {e}", file=sys.stderr)
-    return 2
-  rate = matmul_rate(mkn=mkn, dtype=mm_dtype)
-  dev = jax.devices()[0]
-  print(
-    f"devices: {jax.devices()}  jax {jax.__version__}  "
-    f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}  "
-    f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}"
+  t.add_argument("--attention-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+  t.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  p = ap.add_argument_group("--mode profile")
+  p.add_argument("--diag", action="store_true", help="the step with per-layer diagnostics on")
+  p.add_argument("--top", type=int, default=20)
+  p.add_argument(
+    "--diag-diff",
+    action="store_true",
+    help="then profile diagnostics off and on: the places whose op time grew most",
   )
+  p.add_argument("--sum", default=None, help="also total the ops whose place ends with this regex")
+  c = ap.add_argument_group("--mode compile")
+  c.add_argument("--depths", type=int, nargs="+", default=[4, 32])
+  c.add_argument("--repeats", type=int, default=3)
+  c.add_argument("--no-loop", action="store_true", help="skip the Python-loop comparison")
+  c.add_argument("--eager", type=int, default=0, help="first compile this many tiny programs")
+  return ap.parse_args(argv)
+
+
+def check(args) -> tuple[list[str], list[str], tuple]:
+  """``(base overrides, mixers, matmul MxKxN)``; ValueError naming the option for bad input,
+  before anything compiles."""
+  mkn = train_step.parse_matmul(args.matmul)
+  text = args.mixers or DEFAULT_MIXERS[args.mode]
+  mixers = registry.names() if text == "all" else [m for m in text.split(",") if m]
+  base = train_step.shape_overrides(args)
+  try:
+    load_config(None, base)
+  except ConfigError as e:
+    raise ValueError(f"--set: {e}") from None
+  for m in mixers:
+    try:
+      load_config(None, base + [f"model.mixer={m}", *train_step.streams(m, args.n)])
+    except ConfigError as e:
+      raise ValueError(f"--mixers: {m}: {e}") from None
+  if args.mode == "time":
+    bad = sorted({v for v in args.variants.split(",") if v and v.split("+")[0] not in VARIANTS})
+    if bad:
+      raise ValueError(f"--variants: unknown {bad}; known: {', '.join(VARIANTS)}")
+    for v in args.variants.split(","):
+      try:
+        load_config(None, base + split_options(v.split("+")[1:])[0])
+      except ConfigError as e:
+        raise ValueError(f"--set: {v}: {e}") from None
+    if args.attention:
+      try:
+        shape = tuple(int(x) for x in args.attention.split("x"))
+        assert len(shape) == 4 and min(shape) >= 1
+      except (ValueError, AssertionError):
+        raise ValueError(f"--attention: expected BxHxTxD, got {args.attention!r}") from None
+  if args.mode == "compile" and min(args.depths) < 1:
+    raise ValueError(f"--depths: expected positive integers, got {args.depths}")
+  return base, mixers, mkn
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  try:  # bad input: one clear message before anything runs
+    base, mixers, mkn = check(args)
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  print(
+    f"--mode {args.mode}  devices: {jax.devices()}  jax {jax.__version__}  "
+    f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
+  )
+  if args.mode == "dots":
+    import step_dots
+
+    step_dots.run(args, base, mixers, mkn)
+  elif args.mode == "profile":
+    import step_profile
+
+    step_profile.run(args, base, mixers)
+  elif args.mode == "compile":
+    import step_compile
+
+    step_compile.run(args, base, mixers)
+  else:
+    time_rows(args, base, mixers, mkn)
+  return 0
+
+
+def time_rows(args, base: list[str], mixers: list[str], mkn: tuple) -> None:
+  """``--mode time``: every (mixer, variant) row compiled, then timed round-robin."""
+  variants = [v for v in args.variants.split(",") if v]
+  att_shape = tuple(int(x) for x in args.attention.split("x")) if args.attention else None
+  mm_dtype = jnp.dtype(args.matmul_dtype)
+  rate = train_step.matmul_rate(mkn=mkn, dtype=mm_dtype)
+  dev = jax.devices()[0]
   m, k, n = mkn
   print(f"dense matmul ({m}x{k} @ {k}x{n}, {mm_dtype.name}): {rate:.1f} GFLOP/s at start")
   report = {
@@ -433,7 +381,7 @@ def main(argv=None) -> int:
     "platform": dev.platform,
     "matmul": {"mkn": list(mkn), "dtype": mm_dtype.name, "gflop_per_s_start": rate},
     "matmul_gflop_per_s_start": rate,
-    "argv": argv or sys.argv[1:],
+    "argv": sys.argv[1:],
   }
 
   def dump():
@@ -448,7 +396,7 @@ def main(argv=None) -> int:
     report["attention"] = {"shape_BHTD": list(att_shape), "dtype": att_dtype.name, "rows": att}
     dump()
   prepared = []
-  for mixer in [m for m in args.mixers.split(",") if m]:
+  for mixer in mixers:
     for variant in variants:
       if (
         not variant.startswith("scan")
@@ -456,7 +404,7 @@ def main(argv=None) -> int:
         and not args.all_variants
       ):
         continue
-      ov = base + streams(mixer, args.n)
+      ov = base + train_step.streams(mixer, args.n)
       try:
         prepared.append(prepare_row(ov, mixer, variant))
       except Exception as e:  # a mixer that cannot run this shape: say so, keep going
@@ -495,7 +443,6 @@ def main(argv=None) -> int:
   print_table(rows, mm_dtype.name)
   report["rows"] = rows
   dump()
-  return 0
 
 
 if __name__ == "__main__":

@@ -1,28 +1,19 @@
-"""Where one train step's time goes: ``jax.profiler`` over a few steps, summed per compiled
-op (fusion, while loop, dot), with the op's place in the model from the HLO metadata.
+"""``step_bench.py --mode profile``: where one train step's time goes. ``jax.profiler`` over a few
+steps, summed per compiled op (fusion, while loop, dot), with the op's place in the model from the
+HLO metadata.
 
-    python benchmarks/step_profile.py --mixer mhc                  # depth 4, width 64, 16 x 64
-    python benchmarks/step_profile.py --mixer mhc --sum 'project_res/(closed_call/)?while'  # Sinkhorn
-    python benchmarks/step_profile.py --mixer hc --set model.depth=8 model.width=256 \\
-        model.heads=4 data.seq_len=256 data.batch_size=8 model.vocab=256   # step_bench's shape
-
-The model is configs/quickstart.yaml at population_bench's shape (``--set`` overrides), trained
-by the project's own jitted step (``train.loop.SingleProgram``, diagnostics off unless
-``--diag``) on one device.
-Prints the median step time of ``--steps`` timed steps after 3 warm-up ones, then the ``--top``
-ops by time per step: a ``while`` op's time includes the ops inside it (nested loops, such as
-the Sinkhorn iterations inside the scan over blocks, are listed again on their own). Then the
-op time summed by part of the model (``PARTS``: Sinkhorn, attention and MLP, the mixer's own
-ops, the scan's per-layer slicing, the rest), loops left out so nothing counts twice, and how
-much of it sits in fusions that hold a dynamic slice (``sliced_fusions``). ``--diag-diff``
-then profiles the step with diagnostics off and on and lists the places whose op time grew most.
+Prints each mixer's median step time of ``--steps`` timed steps after ``--warmup`` ones, then the
+``--top`` ops by time per step: a ``while`` op's time includes the ops inside it (nested loops,
+such as the Sinkhorn iterations inside the scan over blocks, are listed again on their own). Then
+the op time summed by part of the model (``PARTS``: Sinkhorn, attention and MLP, the mixer's own
+ops, the scan's per-layer slicing, the rest), loops left out so nothing counts twice, and how much
+of it sits in fusions that hold a dynamic slice (``sliced_fusions``). ``--diag-diff`` then
+profiles the step with diagnostics off and on and lists the places whose op time grew most.
 """
 
 from __future__ import annotations
 
-import argparse
 import collections
-import functools
 import glob
 import gzip
 import json
@@ -32,20 +23,9 @@ import tempfile
 import time
 
 import jax
+import train_step
 
 from mhc_jax.train.config import load_config
-from mhc_jax.train.loop import SingleProgram, prepare
-
-SHAPE = [
-  "model.depth=4",
-  "model.width=64",
-  "model.heads=2",
-  "data.seq_len=64",
-  "data.batch_size=16",
-  "optim.warmup_steps=0",
-  "train.diag_every=0",
-]
-
 
 # Where an op belongs, by its place in the model (first match wins). ``while`` ops are left out of
 # the breakdown: a loop's time is the time of the ops inside it, which are counted themselves.
@@ -56,6 +36,10 @@ PARTS = (
   ("scan stacking (per-layer slices)", r"dynamic_(update_)?(index_in_dim|slice)"),
   ("rest (embedding, head, loss, optimiser)", r""),
 )
+
+
+def _short(place: str) -> str:
+  return re.sub(r"^jit\([^)]*\)/", "", place)
 
 
 def part_of(place: str) -> str:
@@ -123,7 +107,7 @@ def by_place(total, places) -> collections.Counter:
   out = collections.Counter()
   for name, ms in total.items():
     if not name.startswith("while"):
-      out[places[name].removeprefix("jit(step)/")] += ms
+      out[_short(places[name])] += ms
   return out
 
 
@@ -136,71 +120,45 @@ def print_place_diff(off, on, top: int) -> None:
     print(f"{ms:8.2f} {off[place]:8.2f} {on[place]:8.2f}  {place[-100:]}")
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--mixer", default="mhc")
-  ap.add_argument("--set", nargs="*", default=[], help="further config overrides (KEY=VALUE)")
-  ap.add_argument("--steps", type=int, default=10)
-  ap.add_argument("--diag", action="store_true", help="the step with per-layer diagnostics on")
-  ap.add_argument("--top", type=int, default=20)
-  ap.add_argument(
-    "--diag-diff",
-    action="store_true",
-    help="then profile the step with diagnostics off and on and print the places in the model "
-    "whose op time grew most (--top of them)",
-  )
-  ap.add_argument(
-    "--sum",
-    default=None,
-    help="also print the total of the ops whose place ends with this regex "
-    "(e.g. 'project_res/(closed_call/)?while': mhc's Sinkhorn loops)",
-  )
-  args = ap.parse_args()
-  cfg = load_config(
-    "configs/quickstart.yaml",
-    [f"model.mixer={args.mixer}", "model.mixer_options={}", *SHAPE, *args.set],
-  )
-  prog = SingleProgram(prepare(cfg))
-  box = [prog.init()]
-  batch = prog.batch(0)
+def run(args, base: list[str], mixers: list[str]) -> None:
+  """Profile each mixer's step (``args``: steps, warmup, diag, top, sum, diag_diff, n)."""
+  for mixer in mixers:
+    cfg = load_config(None, base + [f"model.mixer={mixer}", *train_step.streams(mixer, args.n)])
+    built = {d: train_step.build(cfg, "diag" if d else "scan") for d in {args.diag, False, True}}
 
-  def step(diag=args.diag):
-    box[0], m = prog._step(box[0], batch, diag)
-    jax.block_until_ready(m["loss"])
+    def step(diag=args.diag):
+      fn, state, batch = built[diag]
+      state, m = fn(state, batch)
+      built[diag] = (fn, state, batch)
+      jax.block_until_ready(m["loss"])
 
-  def hlo(diag=args.diag) -> str:
-    return prog._step.lower(box[0], batch, diag).compile().as_text()
+    def hlo(diag=args.diag) -> str:
+      fn, state, batch = built[diag]
+      return fn.lower(state, batch).compile().as_text()
 
-  times = []
-  for i in range(3 + args.steps):
-    t0 = time.perf_counter()
-    step()
-    if i >= 3:
-      times.append(time.perf_counter() - t0)
-  print(
-    f"{args.mixer}{' (diagnostics on)' * args.diag}: median step {statistics.median(times) * 1e3:.1f} ms"
-  )
-  text = hlo()
-  total, calls, places = op_times(step, text)
-  print(f"{'ms/step':>8} {'calls':>6}  op  (place in the model)")
-  for name, ms in total.most_common(args.top):
-    where = places[name].removeprefix("jit(step)/")
-    print(f"{ms:8.2f} {calls[name]:6d}  {name}  ({where[-90:]})")
-  print_parts(total, places, sliced_fusions(text))
-  if args.sum:
-    hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
-    ms = sum(total[n] for n in hit)
-    print(f"ops whose place ends with {args.sum!r}: {len(hit)}, {ms:.1f} ms per step")
-  if args.diag_diff:
-    diag_places = []
-    for diag in (False, True):
-      run = functools.partial(step, diag)
-      for _ in range(3):  # compiled and warm
-        run()
-      diag_places.append(by_place(*op_times(run, hlo(diag))[::2]))
-    print("-- diagnostics off -> on, one process")
-    print_place_diff(*diag_places, args.top)
-
-
-if __name__ == "__main__":
-  main()
+    times = []
+    for i in range(args.warmup + args.steps):
+      t0 = time.perf_counter()
+      step()
+      if i >= args.warmup:
+        times.append(time.perf_counter() - t0)
+    med = statistics.median(times) * 1e3
+    print(f"{mixer}{' (diagnostics on)' * args.diag}: median step {med:.1f} ms")
+    text = hlo()
+    total, calls, places = op_times(step, text)
+    print(f"{'ms/step':>8} {'calls':>6}  op  (place in the model)")
+    for name, ms in total.most_common(args.top):
+      print(f"{ms:8.2f} {calls[name]:6d}  {name}  ({_short(places[name])[-90:]})")
+    print_parts(total, places, sliced_fusions(text))
+    if args.sum:
+      hit = [n for n in total if re.search(f"(?:{args.sum})$", places[n])]
+      ms = sum(total[n] for n in hit)
+      print(f"ops whose place ends with {args.sum!r}: {len(hit)}, {ms:.1f} ms per step")
+    if args.diag_diff:
+      diag_places = []
+      for diag in (False, True):
+        for _ in range(args.warmup + 1):  # compiled and warm
+          step(diag)
+        diag_places.append(by_place(*op_times(lambda d=diag: step(d), hlo(diag))[::2]))
+      print("-- diagnostics off -> on, one process")
+      print_place_diff(*diag_places, args.top)

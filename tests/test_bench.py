@@ -11,13 +11,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import compile_time  # noqa: E402
-import dot_ceiling  # noqa: E402
 import population_bench  # noqa: E402
 import step_bench  # noqa: E402
+import step_compile  # noqa: E402
+import step_dots  # noqa: E402
 import step_profile  # noqa: E402
 import stream_spread  # noqa: E402
 import suite_times  # noqa: E402
+import train_step  # noqa: E402
 
 TOY = ["--width", "16", "--depth", "1", "--heads", "2", "--batch", "2", "--seq-len", "8"]
 TOY += ["--matmul", "256x256x256"]  # the reference matmul at toy size too
@@ -60,7 +61,7 @@ def test_compile_time_eager_compiles_each_tiny_program_once():
 
   monitoring.register_event_duration_secs_listener(count)
   try:
-    wall, cpu = compile_time.eager_compiles(3)
+    wall, cpu = step_compile.eager_compiles(3)
   finally:
     monitoring.unregister_event_duration_listener(count)
   assert len(n) == 3 and 0 < sum(n) <= wall and cpu > 0  # three fresh compiles, timed within
@@ -190,7 +191,7 @@ def test_hlo_dots_reads_every_dot_with_its_shapes():
   x, w = jnp.ones((8, 16)), jnp.ones((16, 32))
   a, b = jnp.ones((4, 8, 16)), jnp.ones((4, 16, 8))
   f = jax.jit(lambda x, w, a, b: (jnp.tanh(x @ w).sum(), jnp.einsum("bij,bjk->bik", a, b) * 2))
-  dots = dot_ceiling.hlo_dots(f.lower(x, w, a, b).compile().as_text())
+  dots = step_dots.hlo_dots(f.lower(x, w, a, b).compile().as_text())
   assert sorted((d.flops, c) for d, c in dots.items()) == [
     (2 * 4 * 8 * 16 * 8, 1),
     (2 * 8 * 16 * 32, 1),
@@ -205,14 +206,12 @@ def test_hlo_dots_reads_every_dot_with_its_shapes():
   assert batched.label().startswith("f32 4 x 8x16 @ 16x8")
 
 
-def test_dot_ceiling_counts_the_residual_steps_dots():
+def test_dots_mode_counts_the_residual_steps_dots():
   """Depth 1, one attention chunk: q, k, v, out, MLP up and down and the head each run forward,
   input-gradient and weight-gradient dots (7 x 3 = 21); attention's score and value products run
   forward, again in the rematerialised forward, and two gradient dots each (2 x 4 = 8)."""
-  ap = dot_ceiling.argparse.ArgumentParser()
-  step_bench.add_shape_args(ap, steps=1)
-  base = step_bench.shape_overrides(ap.parse_args(TOY))
-  dots, model = dot_ceiling.mixer_dots(base, "residual", 4)
+  base = train_step.shape_overrides(step_bench.parse_args(TOY))
+  dots, model = step_dots.mixer_dots(base, "residual", 4)
   assert sum(dots.values()) == 29
   c, v, t, b = 16, 256, 8, 2  # width, vocab, seq_len, batch (TOY)
   dense = 3 * 2 * (4 * c * c + 2 * c * 4 * c + c * v) * b * t
@@ -226,23 +225,54 @@ def test_dot_ceiling_counts_the_residual_steps_dots():
   [
     (["--matmul", "256x256"], "error: --matmul: expected MxKxN"),
     (["--set", "model.width=-1"], "error:"),
-    (["--mixers", "residual,nope"], "error:"),
+    (["--mixers", "residual,nope"], "error: --mixers: nope:"),
   ],
 )
-def test_dot_ceiling_bad_input_exits_2(argv, msg, capsys):
-  assert dot_ceiling.main(TOY + argv) == 2
+def test_dots_mode_bad_input_exits_2(argv, msg, capsys):
+  assert step_bench.main(TOY + ["--mode", "dots"] + argv) == 2
   assert msg in capsys.readouterr().err
+
+
+def test_profile_and_compile_modes_run_the_one_step_at_toy_size(capsys):
+  """step_bench's other modes time the same train step (train_step.build) at the same shape
+  options: profile prints the step's op time by part of the model, compile one figure per depth."""
+  fast = ["--steps", "1", "--warmup", "1"]
+  assert step_bench.main(TOY + fast + ["--mode", "profile", "--mixers", "mhc", "--top", "3"]) == 0
+  out = capsys.readouterr().out
+  assert "mhc: median step" in out and "Sinkhorn projection" in out
+  sinkhorn = next(line for line in out.splitlines() if line.endswith("Sinkhorn projection"))
+  assert float(sinkhorn.split()[0]) > 0  # mHC's step has Sinkhorn ops, found by their place
+  argv = ["--mode", "compile", "--mixers", "residual", "--depths", "1", "2", "--repeats", "1"]
+  assert step_bench.main(TOY + argv + ["--no-loop"]) == 0
+  out = capsys.readouterr().out
+  assert "residual scan=True  depth=  1: compile" in out and "depth=  2: compile" in out
+  assert "compile ratio depth 2 / depth 1 =" in out
+
+
+@pytest.mark.parametrize(
+  "argv, msg",
+  [
+    (["--mode", "fast"], "invalid choice: 'fast'"),
+    (["--mode", "compile", "--depths", "0", "4"], "error: --depths: expected positive integers"),
+  ],
+)
+def test_step_bench_bad_mode_input(argv, msg, capsys):
+  try:
+    rc = step_bench.main(TOY + argv)
+  except SystemExit as e:  # argparse's own error for a bad choice
+    rc = e.code
+  assert rc == 2 and msg in capsys.readouterr().err
 
 
 def test_dots_alone_sums_count_times_time_per_round():
   from collections import Counter
 
-  d = dot_ceiling.Dot("f32", (8, 16), (16, 4), (), (1,), (), (0,))
-  times = dot_ceiling.time_dots([Counter({d: 3})], steps=2, warmup=0)
+  d = step_dots.Dot("f32", (8, 16), (16, 4), (), (1,), (), (0,))
+  times = step_dots.time_dots([Counter({d: 3})], steps=2, warmup=0)
   assert set(times) == {d, "dispatch"} and all(len(v) == 2 for v in times.values())
-  as_timed = dot_ceiling.alone_per_round(Counter({d: 3}), times)
+  as_timed = step_dots.alone_per_round(Counter({d: 3}), times)
   assert as_timed == [3 * t for t in times[d]]
-  net = dot_ceiling.alone_per_round(Counter({d: 3}), times, net=True)
+  net = step_dots.alone_per_round(Counter({d: 3}), times, net=True)
   assert net == [3 * max(t - s, 0.0) for t, s in zip(times[d], times["dispatch"])]
 
 

@@ -1,48 +1,38 @@
-"""The train step's dots alone: how fast could the step be if everything but its matrix products
-took no time? An upper bound on step_bench's "of matmul" share at a shape.
+"""``step_bench.py --mode dots``: the train step's dots alone. How fast could the step be if
+everything but its matrix products took no time? An upper bound on ``--mode time``'s "of matmul"
+share at a shape.
 
-    python benchmarks/dot_ceiling.py                        # residual at the issue-14 shape
-    python benchmarks/dot_ceiling.py --mixers residual,mhc --steps 15   # both in one process
-    python benchmarks/dot_ceiling.py --width 64 --depth 4 --heads 2 --batch 16 --seq-len 64
-
-The dots are read from the compiled step itself (step_bench's step with ``model.scan=false``,
-so every dot XLA runs appears once in the optimised HLO, with no loop to count through): each
-``dot`` instruction's operand shapes and dimension numbers, whichever fusion holds it. Each
-distinct dot is then jitted alone as a ``lax.dot_general`` on random operands of those shapes
-and timed round-robin with step_bench's reference matmul (``--steps`` rounds after
-``--warmup``; a dot's time is its median over rounds, its rate a median of the same round's
+The dots are read from the compiled step itself (with ``model.scan=false``, so every dot XLA runs
+appears once in the optimised HLO, with no loop to count through): each ``dot`` instruction's
+operand shapes and dimension numbers, whichever fusion holds it. Each distinct dot is then jitted
+alone as a ``lax.dot_general`` on random operands of those shapes and timed round-robin with the
+reference matmul (a dot's time is its median over rounds, its rate a median of the same round's
 ratios to the reference, so the VM's drift cancels). The dot-only step is the sum over dots of
 count x time, and
 
-    ceiling = model FLOPs (step_bench's count) / dot-only step time / reference matmul rate
+    ceiling = model FLOPs / dot-only step time / reference matmul rate
 
-is the largest "of matmul" share step_bench could report for this step if every other op
-(norms, softmax, GELU, the mixers, the optimiser) were free. A small dot's time includes one
-dispatch of a jitted call (``dispatch``, a jitted scalar add, is timed in the same rounds), so
-the ceiling is printed as timed and less one dispatch per dot. With ``--mixers`` naming
-residual and others, each one's dots-alone time over residual's is a floor under step_bench's
-mixer ratio whenever the mixer's other work grows at least as much over residual's (its
-element-wise passes run over the n-times wider stream state). On the 2-core CPU the default run
-takes about a minute, four mixers about four; docs/performance.md ("The dots alone") has
+is the largest "of matmul" share the step could reach if every other op (norms, softmax, GELU,
+the mixers, the optimiser) were free. A small dot's time includes one dispatch of a jitted call
+(``dispatch``, a jitted scalar add, is timed in the same rounds), so the ceiling is printed as
+timed and less one dispatch per dot. With residual among ``--mixers``, each mixer's dots-alone
+time over residual's is a floor under its step ratio. docs/performance.md ("The dots alone") has
 the figures.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
-import sys
 from collections import Counter
 from typing import NamedTuple
 
 import jax
 import numpy as np
-import step_bench
+import train_step
 from jax import lax
 from timing import round_robin
 
-from mhc_jax.errors import ConfigError
 from mhc_jax.train.config import load_config
 
 _DEF = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\w+)\[([\d,]*)\]")
@@ -146,35 +136,21 @@ def alone_per_round(dots: Counter, times: dict, net: bool = False) -> list[float
 
 
 def mixer_dots(base: list[str], mixer: str, n: int) -> tuple[Counter, float]:
-  """``(Counter({Dot: count}), step_bench's model FLOPs)`` of one mixer's compiled step."""
+  """``(Counter({Dot: count}), model FLOPs)`` of one mixer's compiled step."""
   # model.scan=false: every dot once in the HLO, no while loop to count through
-  extra = [f"model.mixer={mixer}", *step_bench.streams(mixer, n), "model.scan=false"]
+  extra = [f"model.mixer={mixer}", *train_step.streams(mixer, n), "model.scan=false"]
   cfg = load_config(None, base + extra)
-  fn, state, batch = step_bench.build(cfg, "loop")
+  fn, state, batch = train_step.build(cfg)
   tokens = cfg.data.batch_size * cfg.data.seq_len
-  return hlo_dots(fn.lower(state, batch).compile().as_text()), step_bench.model_flops(
+  return hlo_dots(fn.lower(state, batch).compile().as_text()), train_step.model_flops(
     cfg, tokens, cfg.data.seq_len
   )
 
 
-def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--mixers", default="residual", help="comma list, timed in one process")
-  step_bench.add_shape_args(ap, steps=9)
-  args = ap.parse_args(argv)
-  mixers = [m for m in args.mixers.split(",") if m]
-  mkn = step_bench.parse_matmul(args.matmul)
-  if mkn is None:
-    return 2
-  base = step_bench.shape_overrides(args)
-  try:  # a bad --set or mixer is one clear message before anything compiles
-    for m in mixers:
-      load_config(None, base + [f"model.mixer={m}"])
-  except ConfigError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+def run(args, base: list[str], mixers: list[str], mkn: tuple) -> None:
+  """The dots of each mixer's step, timed alone; the ceiling; each mixer's dots over residual's."""
   per = {m: mixer_dots(base, m, args.n) for m in mixers}
-  ref, ref_flops = step_bench.matmul_fn(*mkn)
+  ref, ref_flops = train_step.matmul_fn(*mkn)
   times = time_dots([d for d, _ in per.values()], args.steps, args.warmup, {"ref": ref})
   rates = [ref_flops / t for t in times["ref"]]  # FLOP/s of the reference, per round
   print(f"reference matmul {'x'.join(map(str, mkn))}: {statistics.median(rates) / 1e9:.1f} GFLOP/s")
@@ -187,7 +163,7 @@ def main(argv=None) -> int:
     executed = sum(d.flops * c for d, c in dots.items())
     print(
       f"\n{m}: {sum(dots.values())} dots in the compiled step ({len(dots)} distinct), "
-      f"{executed / 1e9:.2f} GFLOP executed; step_bench's model FLOPs {model / 1e9:.2f} GFLOP"
+      f"{executed / 1e9:.2f} GFLOP executed; model FLOPs {model / 1e9:.2f} GFLOP"
     )
     print("  ms/step  count  GFLOP/s  of ref  dot")
     rows = sorted(((c * statistics.median(times[d]), d, c) for d, c in dots.items()), reverse=True)
@@ -202,7 +178,7 @@ def main(argv=None) -> int:
       ceiling = statistics.median(model / s / r for s, r in zip(step, rates) if s > 0)
       print(
         f"  dots alone, {name}: {statistics.median(step) * 1e3:.0f} ms a step; ceiling of "
-        f"step_bench's share: {ceiling:.2f} of the reference matmul"
+        f"the step's share: {ceiling:.2f} of the reference matmul"
       )
   if "residual" in mixers:
     for m in mixers:
@@ -211,8 +187,3 @@ def main(argv=None) -> int:
           a / b for a, b in zip(alone[m, "as timed"], alone["residual", "as timed"])
         )
         print(f"{m} / residual, dots alone (as timed): {q:.2f}")
-  return 0
-
-
-if __name__ == "__main__":
-  sys.exit(main())
