@@ -7,31 +7,15 @@ The offline functions at the bottom analyse whole logged series: ``spike_mask`` 
 rule over a whole series: the same decisions as the monitor the trainer runs, when every step
 is logged) and the learning-rate sensitivity of Wortsman et al. (2023).
 
-Conventions
------------
-* :class:`RollingSpikeDetector`, a robust rule on the step-to-step change
-  (:func:`spike_threshold`). Over the trailing ``window`` finite values, each step change
-  ``d_j = x_j - x_{j-1}`` is compared with the median of the 8 changes before it; its
-  *surprise* is the difference. A value is a spike when
+* :class:`RollingSpikeDetector`: a value is a spike when
 
-      value > last + median(last 8 step changes) + threshold * 1.4826 * MAD(surprises)
+      value > last + median(last 8 step changes) + median(surprises)
+              + threshold * max(1.4826 * MAD(surprises), rel_std_floor * |last|)
 
-  i.e. when its own step change beats the recent trend by more than ``threshold`` robust
-  standard deviations (1.4826 * MAD, the median absolute deviation scaled to a normal SD) of
-  the surprises in the window. Working on step changes removes the trend and the recent median
-  follows a curving one, so the fast early fall of the loss neither looks like a spike nor
-  raises the bar much; medians ignore the odd outlier, so the spikes themselves enter the
-  history (``add_spikes=True``) without hiding the next one, a jump that stays up counts once
-  (at its onset), and a rejected value can never freeze the history. The rule works from
-  ``min_history`` (8) values, so a spike in the first steps counts. The spread is floored at
-  ``rel_std_floor * |last|`` (1%): a value less than ``threshold * rel_std_floor`` (6%) above
-  its expected value is never a spike, which keeps a small, lucky MAD of the first few values and a flat series
-  with float round-off jitter from flagging noise. Non-finite values are always spikes and
-  never enter the history; with fewer than ``min_history`` values the bar is +inf.
-  OLMo-core's ``StabilityMonitorCallback`` flags ``value > mean + 6 std`` of the trailing 128
-  values, only once 128 exist: it cannot fire in the first 128 steps, and early in training
-  its std is the spread of the transient, not of the noise (docs/statistics.md compares the
-  two on toy and real runs).
+  over the trailing ``window`` finite values, a step change's *surprise* being its difference
+  from the median of the 8 changes before it (:func:`spike_threshold`). It works from
+  ``min_history`` (8) values; non-finite values are always spikes and never enter the history.
+  docs/statistics.md ("Spikes") explains the choices and compares the rule with OLMo-core's.
 * :class:`DivergenceRule` (llm-foundry ``KillLossSpike`` style): see its docstring.
 """
 
