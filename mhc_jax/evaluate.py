@@ -90,7 +90,7 @@ def load_run(run_dir: str | os.PathLike):
   """(cfg, source, mesh, model, abstract state, Checkpoints, checkpoint steps) of a run dir."""
   from mhc_jax.train.config import ConfigError, load_config
 
-  run = Path(run_dir)
+  run = storage.path(run_dir)
   if not run.exists():
     raise _usage(f"--run: {run} does not exist")
   if not run.is_dir():
@@ -891,7 +891,7 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
     raise _usage(f"--batches must be a positive integer, got {batches!r}")
   t0 = time.perf_counter()
-  run = Path(run_dir)
+  run = storage.path(run_dir)
   cfg, source, mesh, model, abstract, ckpt, steps = load_run(run)
   try:
     params = restore_params(ckpt, abstract, steps[-1], run)
@@ -1032,7 +1032,7 @@ def summary_lines(r: dict) -> list[str]:
 
 
 def main(args) -> int:
-  run = Path(args.run)
+  run = storage.path(args.run)
   result = evaluate_run(run, getattr(args, "batches", 8))
   write_json_atomic(run / "eval.json", result)
   for line in summary_lines(result):

@@ -202,3 +202,35 @@ def test_sweep_posteval_fills_eval_json_once(bijection_run, tmp_path):
   said.clear()
   assert posteval.evaluate_runs(out, manifest, 1, said.append) == 1
   assert not any("good" in s for s in said)
+
+
+def test_eval_on_the_object_store(bijection_run, gcs, monkeypatch, capsys):
+  """`mhc-jax eval --run gs://...` reads the run and writes eval.json in the store, nothing
+  locally. Orbax reads gs:// through tensorstore (no offline stand-in, see test_storage), so the
+  run's files are copied to the fake store and the checkpoint manager reads the local copy."""
+  from fake_gcs import keys
+
+  from mhc_jax import storage
+  from mhc_jax.train import checkpoint
+
+  run = f"{gcs}/runs/x"
+  local = {p: p.read_bytes() for p in bijection_run.rglob("*") if p.is_file()}
+  for p, data in local.items():
+    if p.name != "eval.json":
+      storage.path(f"{run}/{p.relative_to(bijection_run)}").write_bytes(data)
+
+  class LocalCheckpoints(checkpoint.Checkpoints):
+    def __init__(self, directory, **kw):
+      assert str(directory) == f"{run}/checkpoints"
+      super().__init__(bijection_run / "checkpoints", **kw)
+
+  monkeypatch.setattr(checkpoint, "Checkpoints", LocalCheckpoints)
+  assert cli.main(["eval", "--run", run, "--batches", "1"]) == 0, capsys.readouterr().err
+  assert f"wrote {run}/eval.json" in capsys.readouterr().out
+  r = json.loads(storage.path(f"{run}/eval.json").read_text())
+  assert r["run"] == run and r["step"] == 5 and r["checkpoint_steps"] == [1, 2, 3, 4, 5]
+  assert _finite(r["metrics"]["kl_bits"]) and "attention_settles_first" in r["probes"]["drift"]
+  assert "bucket/runs/x/eval.json" in keys()
+  assert {p: p.read_bytes() for p in bijection_run.rglob("*") if p.is_file()} == local
+  assert cli.main(["eval", "--run", f"{gcs}/runs/nope"]) == 2
+  assert "does not exist" in capsys.readouterr().err
