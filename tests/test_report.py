@@ -1019,3 +1019,35 @@ def test_screen_fits_a_screen_and_says_the_sentence(seeded):
   assert head == ["mixer", "depth", "seed", *[c for c in SCREEN_COLUMNS if table[c].notna().any()]]
   assert len(head) <= 9 and len(table.columns) > 30  # the few that matter; the CSV has all
   assert max(len(ln) for ln in text.splitlines()[: len(table) + 2]) <= 160
+
+
+def test_a_report_on_the_object_store(gcs, tmp_path_factory, capsys):
+  """``mhc-jax report gs://...``: the sweep's runs are read from the store and every file of the
+  report (summary.md, the CSVs, the PNGs) is written there, nothing on the local disk (the gcs
+  fixture checks); the same tables as the report of the same sweep on local disk."""
+  from fake_gcs import keys
+
+  from mhc_jax import storage
+
+  local = _small_sweep(tmp_path_factory.mktemp("to_upload"), ("residual", "hc", "mhc"))
+  for f in local.rglob("*"):
+    if f.is_file():
+      storage.path(f"{gcs}/sw/{f.relative_to(local)}").write_bytes(f.read_bytes())
+  paths = write_report(f"{gcs}/sw")
+  stored = keys()
+  for name in ("summary.md", "summary.csv", "groups.csv", "paired.csv", "loss_curves.png"):
+    assert f"bucket/sw/report/{name}" in stored, name
+  assert paths["summary_md"] == f"{gcs}/sw/report/summary.md"
+  png = storage.path(f"{gcs}/sw/report/loss_curves.png").read_bytes()
+  assert png[:8] == PNG and len(png) > 8_000
+  page = storage.path(paths["summary_md"]).read_text()
+  assert page.startswith("# Sweep report: sw\n")
+  assert all(f"| {n} |" in page for n in summary_table(local)["run"])
+  here = summary_table(local).drop(columns=["run"])
+  there = summary_table(f"{gcs}/sw").drop(columns=["run"])
+  pd.testing.assert_frame_equal(here, there)
+  from mhc_jax import cli
+
+  capsys.readouterr()
+  assert cli.main(["report", f"{gcs}/sw"]) == 0  # the command, as a user types it
+  assert capsys.readouterr().out.endswith(f"report: {gcs}/sw/report/summary.md\n")

@@ -17,6 +17,7 @@ Non-finite points are never drawn (curves stop); they are marked instead.
 
 from __future__ import annotations
 
+import io
 import math
 import os
 from typing import Any, Sequence
@@ -33,6 +34,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
+from mhc_jax import storage  # noqa: E402
 from mhc_jax.sweep import stats  # noqa: E402
 
 __all__ = [
@@ -211,10 +213,12 @@ def _grid(n: int, w: float = 4.8, h: float = 3.6):
 
 
 def _save(fig, path, dpi: int) -> str:
-  path = os.fspath(path)
-  fig.savefig(path, dpi=dpi, bbox_inches="tight")
+  """The figure as a PNG at ``path`` (local or object store), written whole; its path."""
+  buf = io.BytesIO()
+  fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
   plt.close(fig)
-  return path
+  storage.write_bytes_atomic(path, buf.getvalue())
+  return os.fspath(path)
 
 
 def _series(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:

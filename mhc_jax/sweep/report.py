@@ -35,15 +35,15 @@ from __future__ import annotations
 import json
 import math
 import os
-from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
 
-from mhc_jax import metrics
+from mhc_jax import metrics, storage
 from mhc_jax.logs import flatten_dict, load_events, load_run, read_jsonl
 from mhc_jax.spikes import lr_sensitivity
+from mhc_jax.storage import Path
 from mhc_jax.sweep import stats
 
 __all__ = [
@@ -315,7 +315,7 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 def _summarize(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[str]]:
   """(:func:`summarize_run`'s dict, the :data:`LATER_COLUMNS` the logs do not have)."""
-  run_dir = Path(run_dir)
+  run_dir = storage.path(run_dir)
   records = _merged(run_dir / "metrics.jsonl")
   events = load_events(run_dir) if (run_dir / "events.jsonl").exists() else None
   summary = _read_summary(run_dir)
@@ -405,7 +405,7 @@ def eval_columns(run_dir: str | os.PathLike) -> dict[str, float]:
   """The ``eval_*`` / ``probe_*`` columns from ``run_dir/eval.json`` (NaN where absent or a probe
   was skipped)."""
   try:
-    ev = json.loads((Path(run_dir) / "eval.json").read_text())
+    ev = json.loads((storage.path(run_dir) / "eval.json").read_text())
   except (OSError, ValueError):
     ev = {}
   out = {}
@@ -432,8 +432,13 @@ def _sweep_runs(sweep_dir: Path) -> dict[str, dict[str, Any]]:
     return dict(runs)
   if (sweep_dir / "metrics.jsonl").exists() or (sweep_dir / "config.yaml").exists():
     status = _read_summary(sweep_dir).get("status") or "running"
-    return {sweep_dir.resolve().name: {"status": status, "overrides": {}, "dir": "."}}
+    return {_name(sweep_dir): {"status": status, "overrides": {}, "dir": "."}}
   raise FileNotFoundError(f"{sweep_dir}: neither a sweep (manifest.json) nor a run directory")
+
+
+def _name(p: Path) -> str:
+  """The directory's own name (a local path resolved first: ``.`` names its folder)."""
+  return p.resolve().name if storage.is_local(p) else p.name
 
 
 def _role(key: str) -> str | None:
@@ -491,7 +496,7 @@ def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:
   ``status``, which identify a run), ``run_dirs`` (run -> path), ``sweep_dir``,
   ``not_logged`` (run -> the :data:`LATER_COLUMNS` its logs lack; shown as "n/a").
   """
-  sweep_dir = Path(sweep_dir)
+  sweep_dir = storage.path(sweep_dir)
   runs = _sweep_runs(sweep_dir)
   keys: list[str] = []
   for info in runs.values():
@@ -1248,7 +1253,7 @@ def screen(sweep_dir: str | os.PathLike) -> str:
   table = summary_table(sweep_dir)
   ids = [c for c in table.attrs["id_columns"] if c != "run" and c in table.attrs["axes"].values()]
   shown = [c for c in SCREEN_COLUMNS if table[c].notna().any() or c == "status"]
-  out = Path(sweep_dir) / "report" / "summary.csv"
+  out = storage.path(sweep_dir) / "report" / "summary.csv"
   return (
     md_table(table[(ids or ["run"]) + shown])
     + finding(table)
@@ -1275,8 +1280,8 @@ def write_report(
   """
   from mhc_jax.sweep import plots  # matplotlib only when plotting
 
-  sweep_dir = Path(sweep_dir)
-  out = Path(out_dir) if out_dir is not None else sweep_dir / "report"
+  sweep_dir = storage.path(sweep_dir)
+  out = storage.path(out_dir) if out_dir is not None else sweep_dir / "report"
   out.mkdir(parents=True, exist_ok=True)
   table = summary_table(sweep_dir)
   lr_tab = lr_sensitivity_table(table)
@@ -1299,7 +1304,7 @@ def write_report(
   ]
   frames, evs = [], []
   for name, rdir in table.attrs["run_dirs"].items():
-    if not (Path(rdir) / "metrics.jsonl").exists():
+    if not (storage.path(rdir) / "metrics.jsonl").exists():
       continue
     m = load_run(rdir)
     m.attrs = {}  # pandas deep-copies attrs on every operation; the plots do not need them
@@ -1441,7 +1446,7 @@ def write_report(
   ):
     if always or len(frame):
       csv_path = out / f"{name}.csv"
-      frame.to_csv(csv_path, index=False, na_rep="NaN")
+      storage.write_text_atomic(csv_path, frame.to_csv(index=False, na_rep="NaN"))
       paths[f"{name}_csv"] = str(csv_path)
   n_seeds_max = int(groups["n_seeds"].max()) if len(groups) else 0
   group_text = (
@@ -1481,7 +1486,7 @@ def write_report(
   }
 
   md = [
-    f"# Sweep report: {sweep_dir.resolve().name}",
+    f"# Sweep report: {_name(sweep_dir)}",
     "",
     f"{len(table)} runs ({status_line}). Sweep axes: {axes_line}.",
     "",
@@ -1517,11 +1522,11 @@ def write_report(
     md += ["## Missing or non-finite", ""] + [f"- {m}" for m in missing] + [""]
   md += ["## Figures", ""]
   for keys, title, caption in figures:
-    imgs = " ".join(f"![{title}]({Path(paths[k]).name})" for k in keys)
+    imgs = " ".join(f"![{title}]({storage.path(paths[k]).name})" for k in keys)
     md += [f"### {title}", "", imgs, "", caption, ""]
   md += ["## Column definitions", ""] + [f"- `{k}`: {v}" for k, v in defs.items()] + [""]
   md_path = out / "summary.md"
-  md_path.write_text("\n".join(md))
+  storage.write_text_atomic(md_path, "\n".join(md))
   paths["summary_md"] = str(md_path)
 
   return paths
