@@ -175,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
   )
   t.add_argument("--quiet", action="store_true", help="no progress output")
   t.set_defaults(fn=cmd_train)
-  r = sub.add_parser("report", help="summary table, plots and Markdown page for a sweep (local or gs://)")
+  r = sub.add_parser(
+    "report", help="summary table, plots and Markdown page for a sweep (local or gs://)"
+  )
   r.add_argument("sweep_dir")
   r.add_argument("--out", help="report directory (default SWEEP_DIR/report)")
   r.set_defaults(fn=cmd_report)
