@@ -124,7 +124,8 @@ def run(args, base: list[str], mixers: list[str]) -> None:
   """Profile each mixer's step (``args``: steps, warmup, diag, top, sum, diag_diff, n)."""
   for mixer in mixers:
     cfg = load_config(None, base + [f"model.mixer={mixer}", *train_step.streams(mixer, args.n)])
-    built = {d: train_step.build(cfg, "diag" if d else "scan") for d in {args.diag, False, True}}
+    wanted = {args.diag, False, True} if args.diag_diff else {args.diag}
+    built = {d: train_step.build(cfg, "diag" if d else "scan") for d in wanted}
 
     def step(diag=args.diag):
       fn, state, batch = built[diag]
