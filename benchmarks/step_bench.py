@@ -362,11 +362,11 @@ def main(argv=None) -> int:
 
     step_compile.run(args, base, mixers)
   else:
-    time_rows(args, base, mixers, mkn)
+    time_rows(args, base, mixers, mkn, sys.argv[1:] if argv is None else argv)
   return 0
 
 
-def time_rows(args, base: list[str], mixers: list[str], mkn: tuple) -> None:
+def time_rows(args, base: list[str], mixers: list[str], mkn: tuple, argv: list[str]) -> None:
   """``--mode time``: every (mixer, variant) row compiled, then timed round-robin."""
   variants = [v for v in args.variants.split(",") if v]
   att_shape = tuple(int(x) for x in args.attention.split("x")) if args.attention else None
@@ -381,7 +381,7 @@ def time_rows(args, base: list[str], mixers: list[str], mkn: tuple) -> None:
     "platform": dev.platform,
     "matmul": {"mkn": list(mkn), "dtype": mm_dtype.name, "gflop_per_s_start": rate},
     "matmul_gflop_per_s_start": rate,
-    "argv": sys.argv[1:],
+    "argv": list(argv),
   }
 
   def dump():

@@ -298,6 +298,7 @@ def test_step_bench_attention_side_by_side_and_table(tmp_path, capsys):
     ("mhc", "bf16"),
   ]
   assert all(r["step_s"] > 0 and 0 < r["of_matmul_rate"] for r in rep["rows"])
+  assert rep["argv"] == argv + ["--warmup", "1", "--json", str(out)]  # the command that ran
 
 
 def test_step_bench_bad_attention_shape_exits_2(capsys):
