@@ -1,18 +1,9 @@
-"""Plots for the sweep report (matplotlib, Agg backend: files only, no display).
+"""Plots for the sweep report (matplotlib Agg: files only). Each function writes one PNG and
+returns its path, or returns ``None`` (writing nothing) when there is nothing to draw.
 
-Every function takes DataFrames built from :mod:`mhc_jax.logs` and a path, writes one PNG
-and returns the path, or returns ``None`` (writing nothing) when there is nothing to draw.
-
-* ``metrics``: runs' ``load_run`` frames concatenated, with a ``run`` column (wide: one row
-  per logged step; per-layer metrics are list-valued cells).
-* ``runs``: :func:`mhc_jax.sweep.report.summary_table` (one row per run; ``mixer``,
-  ``depth``, ``width``, ``lr``, ``seed`` columns where known).
-* ``events``: ``load_events`` frames concatenated, with a ``run`` column.
-
-Conventions: one colour per mixer everywhere (:func:`mixer_colors`); where the sweep has an
-lr axis, the shade of that colour encodes the learning rate (darker = larger); other axes
-(e.g. width when panels are depths) get line styles; replicate seeds share a style.
-Non-finite points are never drawn (curves stop); they are marked instead.
+Inputs: ``metrics`` (``load_run`` frames with a ``run`` column), ``runs``
+(:func:`mhc_jax.sweep.report.summary_table`), ``events`` (``load_events`` frames with ``run``).
+One colour per mixer; shade = lr; line style = other varying axes; seeds -> mean line and band.
 """
 
 from __future__ import annotations
@@ -53,9 +44,18 @@ __all__ = [
 _KNOWN = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc_lite": "#2ca02c"}
 _EXTRA = ["#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f"]
 _STYLES = ["-", "--", ":", "-."]
-#: Line colours for the other axes when a plot has a single mixer (tab10).
 _PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 _ROLE_COLS = ("run", "mixer", "lr", "seed")
+_LR_STATS = {
+  "n_lr",
+  "lrs",
+  "best_lr",
+  "best_final_loss",
+  "loss_init",
+  "n_diverged",
+  "lr_sensitivity",
+}
+_GREY = "#333333"
 
 CAPTIONS = {
   "loss_curves": "Training loss (nats per token) against step, {panel_text}. "
@@ -107,30 +107,24 @@ CAPTIONS = {
 # =========================================================================== helpers
 def _order(mixers: Sequence[Any]) -> list[str]:
   names = sorted({str(m) for m in mixers})
-  known = [m for m in _KNOWN if m in names]
-  return known + [m for m in names if m not in _KNOWN]
+  return [m for m in _KNOWN if m in names] + [m for m in names if m not in _KNOWN]
 
 
 def mixer_colors(mixers: Sequence[Any]) -> dict[str, str]:
-  """Fixed colours for the known mixers (residual grey, hc red, mhc blue, mhc_lite green),
-  a fixed palette in sorted-name order for the rest."""
-  out, extra = {}, iter(_EXTRA * 4)
-  for m in _order(mixers):
-    out[m] = _KNOWN.get(m) or next(extra)
-  return out
+  """Fixed colours for the known mixers, a fixed palette in sorted-name order for the rest."""
+  extra = iter(_EXTRA * 4)
+  return {m: _KNOWN.get(m) or next(extra) for m in _order(mixers)}
 
 
 def _shade(color: str, k: int, n: int) -> tuple[float, float, float]:
   """k-th of n shades: lightest for k = 0, darkest for k = n - 1."""
   rgb = np.asarray(to_rgb(color))
-  if n <= 1:
-    return tuple(rgb)
-  f = -0.6 + 0.9 * k / (n - 1)  # < 0: mix with white, > 0: mix with black
+  f = -0.6 + 0.9 * k / (n - 1) if n > 1 else 0.0  # < 0: mix with white, > 0: with black
   return tuple(rgb * (1 + f) - f if f < 0 else rgb * (1 - f))
 
 
-def _num(s: pd.Series) -> pd.Series:
-  return pd.to_numeric(s, errors="coerce")
+def _num(s) -> pd.Series:
+  return pd.to_numeric(pd.Series(s), errors="coerce")
 
 
 def _varying(runs: pd.DataFrame, col: str) -> bool:
@@ -138,10 +132,7 @@ def _varying(runs: pd.DataFrame, col: str) -> bool:
 
 
 def _panel_col(runs: pd.DataFrame) -> str | None:
-  for col in ("depth", "width"):
-    if _varying(runs, col):
-      return col
-  return None
+  return next((c for c in ("depth", "width") if _varying(runs, c)), None)
 
 
 def _style_cols(runs: pd.DataFrame, panel: str | None) -> list[str]:
@@ -150,9 +141,9 @@ def _style_cols(runs: pd.DataFrame, panel: str | None) -> list[str]:
 
 
 def _fmt(v: Any) -> str:
-  if isinstance(v, (float, np.floating)) and float(v).is_integer() and abs(v) < 1e6:
-    return str(int(v))
-  return f"{v:g}" if isinstance(v, (float, np.floating)) else str(v)
+  if isinstance(v, (float, np.floating)):
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e6 else f"{v:g}"
+  return str(v)
 
 
 def _panel_title(col: str | None, v: Any) -> str:
@@ -161,55 +152,51 @@ def _panel_title(col: str | None, v: Any) -> str:
       return f"depth L = {_fmt(v)}  ({2 * int(float(v))} mixer layers)"
     except (TypeError, ValueError):
       return f"depth = {v}"
-  if col == "width":
-    return f"width C = {_fmt(v)}"
-  return ""
+  return f"width C = {_fmt(v)}" if col == "width" else ""
 
 
 def describe(runs: pd.DataFrame) -> dict[str, str]:
   """Words for the captions: how panels, shades and line styles map to sweep axes."""
   panel = _panel_col(runs)
   styles = _style_cols(runs, panel)
+  seed_text = (
+    " Where runs differ only in the seed, the line is their mean (geometric mean on a log axis) "
+    "and the shaded band the range (min to max) over the seeds at each step, stopping where any "
+    "seed has no finite value; × and ▼ mark individual seeds. The 95% intervals of the summary "
+    "numbers are in the groups table."
+  )
   return {
     "panel_text": f"one panel per {panel}" if panel else "all runs in one panel",
     "shade_text": "; shade = learning rate (darker = larger)" if _varying(runs, "lr") else "",
     "style_text": f"; line style = {', '.join(styles)}" if styles else "",
     "heatmap_text": "the deepest run of each mixer (ties: the one with the largest composite gain)",
-    "seed_text": (
-      " Where runs differ only in the seed, the line is their mean (geometric mean on a log axis) "
-      "and the shaded band the range (min to max) over the seeds at each step, stopping where any "
-      "seed has no finite value; × and ▼ mark individual seeds. The 95% intervals of the summary "
-      "numbers are in the groups table."
-    )
-    if _varying(runs, "seed")
-    else "",
+    "seed_text": seed_text if _varying(runs, "seed") else "",
   }
 
 
 def _mixer_of(runs: pd.DataFrame) -> pd.Series:
-  return (
-    runs["mixer"].astype(str) if "mixer" in runs.columns else pd.Series("run", index=runs.index)
-  )
+  if "mixer" in runs.columns:
+    return runs["mixer"].astype(str)
+  return pd.Series("run", index=runs.index)
 
 
 def _grid(n: int, w: float = 4.8, h: float = 3.6):
-  ncols = min(n, 3)
-  nrows = math.ceil(n / ncols)
+  ncols, nrows = min(n, 3), math.ceil(n / min(n, 3))
   fig, axes = plt.subplots(
     nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False, sharex=True, sharey=True
   )
+  one = nrows == 1
   fig.subplots_adjust(
     left=0.08 if ncols > 1 else 0.14,
     right=0.98,
-    bottom=0.14 if nrows == 1 else 0.08,
-    top=0.86 if nrows == 1 else 0.92,
+    bottom=0.14 if one else 0.08,
+    top=0.86 if one else 0.92,
     wspace=0.08,
     hspace=0.3,
   )
-  flat = axes.ravel()
-  for ax in flat[n:]:
+  for ax in axes.ravel()[n:]:
     ax.set_visible(False)
-  return fig, flat[:n]
+  return fig, axes.ravel()[:n]
 
 
 def _save(fig, path, dpi: int) -> str:
@@ -224,56 +211,55 @@ def _save(fig, path, dpi: int) -> str:
 def _series(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
   if col not in df.columns:
     return np.zeros(0), np.zeros(0)
-  d = df[["step", col]]
-  d = d[
-    d[col].map(
-      lambda v: isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
-    )
-  ]
+  num = (int, float, np.integer, np.floating)
+  d = df[df[col].map(lambda v: isinstance(v, num) and not isinstance(v, bool))]
   return d["step"].to_numpy(dtype=np.float64), d[col].to_numpy(dtype=np.float64)
 
 
-def _panel_values(runs: pd.DataFrame, panel: str | None) -> list:
-  """The values of the ``panel`` column, numbers in order, one panel each ([None]: one panel)."""
-  if not panel:
-    return [None]
-  return sorted(runs[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
+def _layout(runs: pd.DataFrame, style_runs: pd.DataFrame | None = None):
+  """(panel column, panel values, style columns, style keys) shared by the panel figures."""
+  panel = _panel_col(runs)
+  styles = _style_cols(runs if style_runs is None else style_runs, panel)
+  keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
+  pvals = [None]
+  if panel:
+    pvals = sorted(runs[panel].dropna().unique(), key=lambda v: (_num([v])[0], str(v)))
+  return panel, pvals, styles, keys
 
 
-def _legend_handles(colors, styles, style_keys, max_band, lrs=()) -> list:
-  """Legend entries shared by the curve figures: one colour per mixer, then the learning-rate
-  shades, the line styles of the other varying columns and the seed band, where present."""
-  handles = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
+def _style(r, styles, keys) -> str:
+  key = tuple(str(r[c]) for c in styles)
+  return _STYLES[keys.index(key) % len(_STYLES)] if key in keys else "-"
+
+
+def _legend_handles(colors, styles, style_keys, max_band, lrs=(), band="range over seeds"):
+  """Legend entries: one colour per mixer, lr shades, line styles, the seed band."""
+  h = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
   if lrs:
-    handles.append(Line2D([], [], ls="none", label="learning rate:"))
-    handles += [
-      Line2D([], [], color=_shade("#333333", k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}")
+    h.append(Line2D([], [], ls="none", label="learning rate:"))
+    h += [
+      Line2D([], [], color=_shade(_GREY, k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}")
       for k, lr in enumerate(lrs)
     ]
   if styles:
-    handles.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
-    handles += [
-      Line2D(
-        [], [], color="#333333", ls=_STYLES[i % len(_STYLES)], lw=1.5, label="  " + ", ".join(k)
-      )
+    h.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
+    h += [
+      Line2D([], [], color=_GREY, ls=_STYLES[i % 4], lw=1.5, label="  " + ", ".join(k))
       for i, k in enumerate(style_keys)
     ]
   if max_band:
-    handles.append(Patch(color="#333333", alpha=0.22, label=f"range over seeds (≤ {max_band})"))
-  return handles
+    h.append(Patch(color=_GREY, alpha=0.22, label=f"{band} (≤ {max_band})"))
+  return h
 
 
 def _plain_log_ticks(ax, axis: str = "y") -> None:
-  """Plain-number tick labels on a log axis ("0.5", "2", "1e+03" rather than 5×10^-1); an
-  axis spanning less than about a decade gets evenly spaced round ticks instead of decades.
-  Call after the data (and limits) are in place."""
+  """Plain-number labels on a log axis; round evenly spaced ticks within about a decade."""
   ax_ = ax.yaxis if axis == "y" else ax.xaxis
   lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
-  fmt = FuncFormatter(lambda v, _: f"{v:.3g}")
-  if lo > 0 and hi / lo < 12:  # within about a decade: evenly spaced round numbers read best
+  if lo > 0 and hi / lo < 12:
     ax_.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
     ax_.set_minor_locator(NullLocator())
-  ax_.set_major_formatter(fmt)
+  ax_.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
   ax_.set_minor_formatter(NullFormatter())
 
 
@@ -282,39 +268,51 @@ def _use_log(values: np.ndarray, ratio: float = 30.0) -> bool:
   return bool(v.size) and v.max() / v.min() >= ratio
 
 
+def _finish(fig, axes, handles, *, log, xlabel, ylabel, title=None, anchor=0.9) -> None:
+  for ax in axes:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.label_outer()
+    if log:
+      _plain_log_ticks(ax)
+  fig.legend(
+    handles=handles, loc="upper left", bbox_to_anchor=(0.99, anchor), fontsize=9, frameon=False
+  )
+  if title:
+    fig.suptitle(title, fontsize=12)
+
+
 # =========================================================================== seeds
 def _seed_groups(runs: pd.DataFrame) -> list[pd.DataFrame]:
-  """``runs`` split into groups that differ only in ``seed`` (all runs alone when no seed
-  varies); groups in first-seen order."""
+  """``runs`` split into groups that differ only in ``seed`` (each run alone without seeds)."""
   if not _varying(runs, "seed"):
     return [runs.iloc[[i]] for i in range(len(runs))]
-  ids = runs.attrs.get("id_columns") or [
-    c for c in runs.columns if c in ("mixer", "depth", "width", "lr")
+  ids = runs.attrs.get("id_columns") or [c for c in ("mixer", "depth", "width", "lr")]
+  return [
+    g
+    for _, g in stats.split(
+      runs, [c for c in ids if c in runs.columns and c not in ("run", "seed")]
+    )
   ]
-  cols = [c for c in ids if c in runs.columns and c not in ("run", "seed")]
-  return [g for _, g in stats.split(runs, cols)]
+
+
+def _band(mat: np.ndarray, log: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(mean, min, max) over rows (replicate seeds), geometric when ``log``; NaN where any row is
+  missing or non-finite (or <= 0 on a log axis): lines stop rather than average fewer seeds."""
+  ok = np.isfinite(mat) & ((mat > 0) if log else True)
+  v = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
+  with np.errstate(invalid="ignore"):
+    out = v.mean(axis=0), v.min(axis=0), v.max(axis=0)
+  return tuple(np.exp(x) for x in out) if log else out
 
 
 def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[np.ndarray, ...]:
-  """(steps, mean, lo, hi) over replicate series: the mean (geometric mean when ``log``) and
-  the range (min, max) over seeds at each step. A range, not a confidence interval: a
-  per-step t interval over 2-3 noisy seeds is wider than the curves themselves (t = 12.7 for 2
-  seeds) and says nothing the summary intervals (groups.csv) do not. A step where any seed is
-  missing or non-finite (or <= 0 on a log axis) is NaN: the line and band stop rather than
-  average fewer seeds."""
-  steps = np.unique(np.concatenate([s for s, _ in series])) if series else np.zeros(0)
+  """(steps, mean, lo, hi) over replicate (steps, values) series; a range, not an interval."""
+  steps = np.unique(np.concatenate([s for s, _ in series]))
   mat = np.full((len(series), steps.size), np.nan)
   for i, (s, v) in enumerate(series):
-    idx = np.searchsorted(steps, s)
-    mat[i, idx] = v
-  ok = np.isfinite(mat) & ((mat > 0) if log else True)
-  vals = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
-  with np.errstate(invalid="ignore"):
-    mean = vals.mean(axis=0)
-    lo, hi = vals.min(axis=0), vals.max(axis=0)  # NaN where any seed is NaN
-  if log:
-    mean, lo, hi = np.exp(mean), np.exp(lo), np.exp(hi)
-  return steps, mean, lo, hi
+    mat[i, np.searchsorted(steps, s)] = v
+  return (steps, *_band(mat, log))
 
 
 # =========================================================================== curves
@@ -325,54 +323,44 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
   if not len(runs):
     return None
   series = {r: _series(metrics[metrics["run"] == r], col) for r in runs["run"]}
-  allv = np.concatenate([v for _, v in series.values()]) if series else np.zeros(0)
+  allv = np.concatenate([v for _, v in series.values()])
   if not np.isfinite(allv).any():
     return None
-  panel = _panel_col(runs)
-  styles = _style_cols(runs, panel)
+  panel, pvals, styles, keys = _layout(runs)
   colors = mixer_colors(_mixer_of(runs))
   lrs = sorted(_num(runs["lr"]).dropna().unique()) if _varying(runs, "lr") else []
-  style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
-  pvals = _panel_values(runs, panel)
   fig, axes = _grid(len(pvals))
-  log = log if log is not None else _use_log(allv)
+  log = _use_log(allv) if log is None else log
   any_spike = any_nonfinite = False
   max_band = 0
   for ax, pv in zip(axes, pvals):
-    sub = runs if panel is None else runs[runs[panel] == pv]
-    for members in _seed_groups(sub):
+    tr = blended_transform_factory(ax.transData, ax.transAxes)
+    for members in _seed_groups(runs if panel is None else runs[runs[panel] == pv]):
       r = members.iloc[0]
       c = colors[str(r["mixer"]) if "mixer" in r else "run"]
-      if lrs and pd.notna(_num(pd.Series([r["lr"]]))[0]):
-        c = _shade(c, lrs.index(_num(pd.Series([r["lr"]]))[0]), len(lrs))
-      ls = _STYLES[style_keys.index(tuple(str(r[s]) for s in styles)) % len(_STYLES)]
-      if len(members) > 1:  # replicate seeds: mean line and 95% band, markers per seed
+      lr = _num([r["lr"]])[0] if lrs else np.nan
+      if lrs and pd.notna(lr):
+        c = _shade(c, lrs.index(lr), len(lrs))
+      ls = _style(r, styles, keys)
+      if len(members) > 1:  # replicate seeds: mean line and band, markers per seed
         steps, mid, lo, hi = _seed_band([series[n] for n in members["run"]], log)
         ax.fill_between(steps, lo, hi, color=c, alpha=0.22, lw=0)
         ax.plot(steps, mid, color=c, ls=ls, lw=1.6, alpha=0.95)
         max_band = max(max_band, len(members))
       for name in members["run"]:
         steps, vals = series[name]
-        ok = np.isfinite(vals) & ((vals > 0) if log else True)
-        y = np.where(ok, vals, np.nan)  # gaps, never a line through a non-finite point
+        y = np.where(np.isfinite(vals) & ((vals > 0) if log else True), vals, np.nan)
         if len(members) == 1:
           ax.plot(steps, y, color=c, ls=ls, lw=1.4, alpha=0.95)
-        ev = (
-          events[(events["run"] == name) & (events["kind"] == spike_kind)]
-          if len(events)
-          else events
-        )
-        if len(ev):
-          lookup = dict(zip(steps, y))
-          pts = [(s, lookup.get(float(s), np.nan)) for s in ev["step"]]
-          pts = [(s, v) for s, v in pts if np.isfinite(v)]
-          if pts:
-            xs, ys = zip(*pts)
-            ax.plot(xs, ys, ls="none", marker="x", ms=8, mew=2.0, color=c, zorder=5)
-            any_spike = True
+        ev = events[(events["run"] == name) & (events["kind"] == spike_kind)] if len(events) else []
+        lookup = dict(zip(steps, y))
+        pts = [(s, lookup.get(float(s), np.nan)) for s in (ev["step"] if len(ev) else [])]
+        pts = [(s, v) for s, v in pts if np.isfinite(v)]
+        if pts:
+          ax.plot(*zip(*pts), ls="none", marker="x", ms=8, mew=2.0, color=c, zorder=5)
+          any_spike = True
         bad = np.flatnonzero(~np.isfinite(vals))
         if bad.size:
-          tr = blended_transform_factory(ax.transData, ax.transAxes)
           ax.plot(
             [steps[bad[0]]],
             [0.97],
@@ -391,18 +379,10 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
       ax.set_yscale("log")
     ax.set_title(_panel_title(panel, pv) if panel else title, fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
-  for ax in axes:
-    ax.set_xlabel("training step")
-    ax.set_ylabel(ylabel)
-    ax.label_outer()
-    if log:
-      _plain_log_ticks(ax)
-  handles = _legend_handles(colors, styles, style_keys, max_band, lrs)
+  handles = _legend_handles(colors, styles, keys, max_band, lrs)
   if any_spike:
     handles.append(
-      Line2D(
-        [], [], ls="none", marker="x", ms=8, mew=2, color="#333333", label=f"{spike_kind} event"
-      )
+      Line2D([], [], ls="none", marker="x", ms=8, mew=2, color=_GREY, label=f"{spike_kind} event")
     )
   if any_nonfinite:
     handles.append(
@@ -410,11 +390,15 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
         [], [], ls="none", marker="v", ms=9, color="#999999", mec="black", label="became NaN/inf"
       )
     )
-  fig.legend(
-    handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False
+  _finish(
+    fig,
+    axes,
+    handles,
+    log=log,
+    xlabel="training step",
+    ylabel=ylabel,
+    title=title if panel else None,
   )
-  if panel:
-    fig.suptitle(title, fontsize=12)
   return _save(fig, path, dpi)
 
 
@@ -427,8 +411,7 @@ def loss_curves(
   dpi: int = 110,
   log: bool | None = None,
 ) -> str | None:
-  """Training loss against step, one panel per depth (or width), spike/loss events as x's.
-  ``log=None``: log y when the finite losses span a factor of 30 or more."""
+  """Training loss against step, spike/loss events as x's (``log=None``: log y at 30x span)."""
   return _curves(
     metrics,
     runs,
@@ -464,14 +447,11 @@ def grad_norm_curves(
 # =========================================================================== per-layer
 def _layer_matrix(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
   """(steps [S], values [layers, S]) of a list-valued column, NaN-padded."""
-  if col not in df.columns:
-    return np.zeros(0), np.zeros((0, 0))
-  d = df[df[col].map(lambda v: isinstance(v, list) and len(v) > 0)]
+  d = df[df[col].map(lambda v: isinstance(v, list) and len(v) > 0)] if col in df.columns else []
   if not len(d):
     return np.zeros(0), np.zeros((0, 0))
   lists = [np.asarray([np.nan if x is None else x for x in v], dtype=np.float64) for v in d[col]]
-  nl = max(len(x) for x in lists)
-  mat = np.full((nl, len(lists)), np.nan)
+  mat = np.full((max(len(x) for x in lists), len(lists)), np.nan)
   for j, x in enumerate(lists):
     mat[: len(x), j] = x
   return d["step"].to_numpy(dtype=np.float64), mat
@@ -480,52 +460,32 @@ def _layer_matrix(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
 def composite_gain_vs_depth(
   metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110
 ) -> str | None:
-  """Whole-depth composite Amax gain (fwd and bwd), its maximum over training, against depth,
-  one line per mixer (median over the other axes with min-max bars, or the geometric mean
-  with a 95% band where only the seed varies), log y. Solid: token-averaged composite
-  (``amax_*_composite``); dashed, where logged: per-token composite, token mean
-  (``amax_*_composite_tok_mean``)."""
+  """Whole-depth composite Amax gain (fwd, bwd; max over training) against depth, one line per
+  mixer, log y; solid token-averaged, dashed per-token (token mean) where logged."""
   if metrics is None or not len(metrics):
     return None
   rows = []
   for name, df in metrics.groupby("run", sort=False):
     rr = runs[runs["run"] == name]
     mixer = str(rr["mixer"].iloc[0]) if "mixer" in rr.columns and len(rr) else "run"
+    depth = _num(rr["depth"]).iloc[0] if "depth" in rr.columns and len(rr) else np.nan
     for d, kind in (("fwd", "avg"), ("bwd", "avg"), ("fwd", "tok"), ("bwd", "tok")):
-      # the last layer's (whole-depth) value, its maximum over training
       steps, mat = _layer_matrix(df, f"amax_{d}_composite" + ("_tok_mean" if kind == "tok" else ""))
-      if not steps.size:
-        continue
-      whole = mat[-1]
-      ok = np.flatnonzero(np.isfinite(whole) & (whole > 0))
-      if not ok.size:
-        continue
-      depth = _num(rr["depth"]).iloc[0] if "depth" in rr.columns and len(rr) else np.nan
-      if not np.isfinite(depth):
-        depth = mat.shape[0] / 2
-      rows.append(
-        {
-          "mixer": mixer,
-          "dir": d,
-          "kind": kind,
-          "depth": float(depth),
-          "value": float(np.max(whole[ok])),  # max over training, as the table's *_max columns
-          "run": name,
-        }
-      )
+      whole = mat[-1] if steps.size else np.zeros(0)  # the last layer's value: whole depth
+      whole = whole[np.isfinite(whole) & (whole > 0)]
+      if whole.size:
+        dep = float(depth) if np.isfinite(depth) else mat.shape[0] / 2
+        rows.append(dict(mixer=mixer, dir=d, kind=kind, depth=dep, value=whole.max(), run=name))
   if not rows:
     return None
   data = pd.DataFrame(rows)
   colors = mixer_colors(data["mixer"])
   # a band over seeds where every (mixer, depth) point's runs differ only in the seed
   groups = _seed_groups(runs[runs["run"].isin(set(data["run"]))]) if _varying(runs, "seed") else []
-  keys = [
-    (str(_mixer_of(g).iloc[0]), str(g["depth"].iloc[0]) if "depth" in g.columns else "")
-    for g in groups
-  ]
+  keys = [(_mixer_of(g).iloc[0], str(g["depth"].iloc[0]) if "depth" in g else "") for g in groups]
   banded = len(set(keys)) == len(keys) and any(len(g) > 1 for g in groups)
-  same_cell = data.groupby(["mixer", "dir", "kind", "depth"])["run"].nunique()
   kinds = [k for k in ("avg", "tok") if (data["kind"] == k).any()]
+  depths = sorted(data["depth"].unique())
   fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), sharey=True)
   fig.subplots_adjust(left=0.1, right=0.98, bottom=0.14, top=0.84, wspace=0.06)
   for ax, d, name in zip(
@@ -533,81 +493,68 @@ def composite_gain_vs_depth(
   ):
     ax.axhline(1.0, color="#888888", ls=":", lw=1)
     for i, (kind, m) in enumerate((k, m) for k in kinds for m in colors):
-      # earlier mixers bigger and below: coinciding lines stay visible
-      g = data[(data["mixer"] == m) & (data["dir"] == d) & (data["kind"] == kind)].groupby("depth")[
-        "value"
-      ]
-      if not len(g):
+      sel = data[(data["mixer"] == m) & (data["dir"] == d) & (data["kind"] == kind)]
+      g = sel.groupby("depth")["value"]
+      if not len(sel):
         continue
-      j = i % len(colors)
+      j = i % len(colors)  # earlier mixers bigger and below: coinciding lines stay visible
+      tok = kind == "tok"
       style = dict(
         color=colors[m],
-        marker="o" if kind == "avg" else "s",
+        marker="s" if tok else "o",
         ms=max(4.0, 10 - 1.5 * j),
         lw=max(1.2, 3.5 - 0.6 * j),
-        ls="-" if kind == "avg" else "--",
-        zorder=2 + j + (0.5 if kind == "tok" else 0),
+        ls="--" if tok else "-",
+        zorder=2 + j + 0.5 * tok,
       )
-      if banded:
-        band = g.apply(lambda v: _log_band(v.to_numpy(dtype=float)))
-        x = band.index.to_numpy()
-        mid, lo, hi = (np.array([b[k] for b in band]) for k in range(3))
-        ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0, zorder=1)
-        ax.plot(x, mid, **style)
-        continue
-      med, lo, hi = g.median(), g.min(), g.max()
-      x = med.index.to_numpy()
-      ax.errorbar(x, med.to_numpy(), yerr=[med - lo, hi - med], capsize=4, **style)
+      if banded:  # geometric mean and 95% Student t interval over seeds
+        band = g.apply(lambda v: stats.mean_ci(v.to_numpy(dtype=float), log=True))
+        mid, lo, hi = (np.array([b[k] if b[3] > 1 else b[0] for b in band]) for k in range(3))
+        ax.fill_between(band.index.to_numpy(), lo, hi, color=colors[m], alpha=0.22, lw=0, zorder=1)
+        ax.plot(band.index.to_numpy(), mid, **style)
+      else:  # median, bar min to max
+        med, lo, hi = g.median(), g.min(), g.max()
+        ax.errorbar(
+          med.index.to_numpy(), med.to_numpy(), yerr=[med - lo, hi - med], capsize=4, **style
+        )
     ax.set_yscale("log")
-    ax.set_xlabel("depth L (blocks; 2L mixer layers)")
-    ax.set_title(f"{name}", fontsize=10)
+    ax.set_title(name, fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
-    depths = sorted(data["depth"].unique())
     if len(depths) > 1 and depths[0] > 0 and depths[-1] / depths[0] >= 4:
       ax.set_xscale("log", base=2)  # depth ladders usually double
       ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.set_xticks(depths)
-    ax.set_xticklabels([_fmt(v) for v in depths])
+    ax.set_xticks(depths, labels=[_fmt(v) for v in depths])
     if len(depths) == 1:
       ax.set_xlim(depths[0] - 1, depths[0] + 1)
-  axes[0].set_ylabel("composite Amax gain of ∏ H_res\n(whole depth, max over training)")
-  for ax in axes:
-    _plain_log_ticks(ax)
-  handles = [
-    Line2D([], [], color=colors[m], marker="o", lw=2, label=m)
-    for m in colors
-    if m in set(data["mixer"])
-  ]
+  handles = [Line2D([], [], color=colors[m], marker="o", lw=2, label=m) for m in colors]
   if "tok" in kinds:
-    handles.append(Line2D([], [], color="#333333", marker="o", lw=1.5, label="token-averaged"))
+    handles.append(Line2D([], [], color=_GREY, marker="o", lw=1.5, label="token-averaged"))
     handles.append(
-      Line2D([], [], color="#333333", marker="s", ls="--", lw=1.5, label="per-token (token mean)")
+      Line2D([], [], color=_GREY, marker="s", ls="--", lw=1.5, label="per-token (token mean)")
     )
   handles.append(Line2D([], [], color="#888888", ls=":", label="gain 1"))
   if banded:
-    n = int(same_cell.max())
-    handles.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {n})"))
-  fig.legend(
-    handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.84), fontsize=9, frameon=False
+    n = int(data.groupby(["mixer", "dir", "kind", "depth"])["run"].nunique().max())
+    handles.append(Patch(color=_GREY, alpha=0.22, label=f"95% CI over seeds (≤ {n})"))
+  _finish(
+    fig,
+    axes,
+    handles,
+    log=True,
+    xlabel="depth L (blocks; 2L mixer layers)",
+    ylabel="",
+    title="Composite Amax gain against depth (max over training)",
+    anchor=0.84,
   )
-  fig.suptitle("Composite Amax gain against depth (max over training)", fontsize=12)
+  axes[0].set_ylabel("composite Amax gain of ∏ H_res\n(whole depth, max over training)")
   return _save(fig, path, dpi)
-
-
-def _log_band(values: np.ndarray) -> tuple[float, float, float]:
-  """(geometric mean, lo, hi) over seeds (:func:`mhc_jax.sweep.stats.mean_ci` on the log scale);
-  one seed: its value, no band."""
-  mid, lo, hi, n = stats.mean_ci(values, log=True)
-  return (mid, mid, mid) if n < 2 else (mid, lo, hi)
 
 
 def stream_spread_vs_layer(
   metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110
 ) -> str | None:
-  """Stream spread (``stream_spread``: one value per mixer layer) at the last logged
-  diagnostics step against the layer, one panel per depth (or width), one line per mixer (a mean
-  line with a min-max band where runs differ only in the seed). ``None`` where no run logged
-  it (older logs, mixers without streams)."""
+  """Stream spread per mixer layer at the last diagnostics step, one line per mixer (mean and
+  min-max band over seeds); ``None`` where no run logged it."""
   if metrics is None or not len(metrics) or "stream_spread" not in metrics.columns:
     return None
   last = {}
@@ -618,61 +565,48 @@ def stream_spread_vs_layer(
   if not last:
     return None
   runs = runs[runs["run"].isin(set(last))]
-  allv = np.concatenate(list(last.values()))
-  fin = allv[np.isfinite(allv)]
+  fin = np.concatenate(list(last.values()))
+  fin = fin[np.isfinite(fin)]
   log = bool(fin.size) and fin.min() > 0 and fin.max() / fin.min() >= 30
-  panel = _panel_col(runs)
-  styles = _style_cols(runs, panel)
-  style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
+  panel, pvals, styles, keys = _layout(runs)
   colors = mixer_colors(_mixer_of(runs))
-  pvals = _panel_values(runs, panel)
   fig, axes = _grid(len(pvals))
   max_band = 0
   for ax, pv in zip(axes, pvals):
-    sub = runs if panel is None else runs[runs[panel] == pv]
-    for members in _seed_groups(sub):
+    for members in _seed_groups(runs if panel is None else runs[runs[panel] == pv]):
       r = members.iloc[0]
       c = colors[str(r["mixer"]) if "mixer" in r else "run"]
-      ls = _STYLES[style_keys.index(tuple(str(r[s]) for s in styles)) % len(_STYLES)]
       vals = [last[n] for n in members["run"]]
-      nl = max(v.size for v in vals)
-      mat = np.full((len(vals), nl), np.nan)
+      mat = np.full((len(vals), max(v.size for v in vals)), np.nan)
       for i, v in enumerate(vals):
         mat[i, : v.size] = v
-      x = np.arange(nl)
+      x = np.arange(mat.shape[1])
+      mid = mat[0]
       if len(vals) > 1:
-        ok = np.isfinite(mat) & ((mat > 0) if log else True)
-        v = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
-        mid, lo, hi = v.mean(axis=0), v.min(axis=0), v.max(axis=0)
-        if log:
-          mid, lo, hi = np.exp(mid), np.exp(lo), np.exp(hi)
+        mid, lo, hi = _band(mat, log)
         ax.fill_between(x, lo, hi, color=c, alpha=0.22, lw=0)
         max_band = max(max_band, len(vals))
-      else:
-        mid = mat[0]
-      ax.plot(x, mid, color=c, ls=ls, lw=1.6, marker="o", ms=3)
+      ax.plot(x, mid, color=c, ls=_style(r, styles, keys), lw=1.6, marker="o", ms=3)
     if log:
       ax.set_yscale("log")
-    ax.set_title(_panel_title(panel, pv) if panel else "", fontsize=10)
+    ax.set_title(_panel_title(panel, pv), fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
-  for ax in axes:
-    ax.set_xlabel("mixer layer (attn 0, mlp 0, attn 1, ...)")
-    ax.set_ylabel("stream spread")
-    ax.label_outer()
-    if log:
-      _plain_log_ticks(ax)
-  handles = _legend_handles(colors, styles, style_keys, max_band)
-  fig.legend(
-    handles=handles, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False
+  handles = _legend_handles(colors, styles, keys, max_band)
+  _finish(
+    fig,
+    axes,
+    handles,
+    log=log,
+    xlabel="mixer layer (attn 0, mlp 0, attn 1, ...)",
+    ylabel="stream spread",
+    title="Stream spread against layer (last diagnostics step)",
   )
-  fig.suptitle("Stream spread against layer (last diagnostics step)", fontsize=12)
   return _save(fig, path, dpi)
 
 
 def pick_heatmap_runs(metrics: pd.DataFrame, runs: pd.DataFrame, max_runs: int = 6) -> list[str]:
-  """Runs for :func:`layer_heatmap`: for each mixer the deepest run with per-layer
-  diagnostics (ties: largest ``amax_fwd_composite_max_all_layers``, then name); at most
-  ``max_runs`` in all, mixers in the usual order."""
+  """Per mixer the deepest run with per-layer diagnostics (ties: largest composite peak, then
+  name); at most ``max_runs``, mixers in the usual order."""
   if metrics is None or not len(metrics) or max_runs <= 0:
     return []
   have = set()
@@ -685,27 +619,15 @@ def pick_heatmap_runs(metrics: pd.DataFrame, runs: pd.DataFrame, max_runs: int =
   if not len(cand):
     return []
   cand["_mixer"] = _mixer_of(cand)
-  cand["_depth"] = _num(cand["depth"]).fillna(-1) if "depth" in cand.columns else -1
+  cand["_depth"] = _num(cand["depth"]).fillna(-1).to_numpy() if "depth" in cand.columns else -1
   peak = cand.get("amax_fwd_composite_max_all_layers", pd.Series(np.nan, index=cand.index))
-  cand["_peak"] = _num(peak).replace(np.nan, -np.inf)
-  out = []
-  for m in _order(cand["_mixer"]):
-    g = cand[cand["_mixer"] == m].sort_values(
-      ["_depth", "_peak", "run"], ascending=[False, False, True]
-    )
-    out.append(str(g["run"].iloc[0]))
+  cand["_peak"] = _num(peak).replace(np.nan, -np.inf).to_numpy()
+  order = ["_depth", "_peak", "run"]
+  out = [
+    str(cand[cand["_mixer"] == m].sort_values(order, ascending=[False, False, True])["run"].iloc[0])
+    for m in _order(cand["_mixer"])
+  ]
   return out[:max_runs]
-
-
-def _layer_labels(nl: int) -> list[str]:
-  return [f"{'attn' if i % 2 == 0 else 'mlp'} {i // 2}" for i in range(nl)]
-
-
-def _centred_norm(mat: np.ndarray) -> LogNorm:
-  v = mat[np.isfinite(mat) & (mat > 0)]
-  r = float(np.max(np.abs(np.log(v)))) if v.size else 0.0
-  r = max(r, math.log(1.05))
-  return LogNorm(vmin=math.exp(-r), vmax=math.exp(r))
 
 
 def layer_heatmap(
@@ -716,8 +638,8 @@ def layer_heatmap(
   dpi: int = 110,
   cols: Sequence[str] = ("gain_fwd", "amax_fwd_composite"),
 ) -> str | None:
-  """Heatmaps of per-layer metrics of one run over training (x = step, y = mixer layer),
-  one panel per metric in ``cols`` that was logged; log colour scale centred on 1."""
+  """Per-layer metrics of one run over training (x = step, y = mixer layer), one panel per
+  logged column of ``cols``; log colour scale centred on 1."""
   mats = [(c, *_layer_matrix(metrics_run, c)) for c in cols]
   mats = [(c, s, m) for c, s, m in mats if s.size and np.isfinite(m).any()]
   if not mats:
@@ -729,26 +651,22 @@ def layer_heatmap(
     left=0.08, right=0.98, bottom=0.9 / height, top=1 - 0.55 / height, wspace=0.25
   )
   cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#bbbbbb")
-  names = {
-    "gain_fwd": "gain_fwd: RMS(out) / RMS(in)",
-    "amax_fwd_composite": "amax_fwd_composite of ∏ H_res",
-    "amax_bwd_composite": "amax_bwd_composite of ∏ H_res",
-  }
+  names = {"gain_fwd": "gain_fwd: RMS(out) / RMS(in)"}
   for ax, (c, steps, mat) in zip(axes[0], mats):
-    if steps.size > 1:
-      mid = (steps[1:] + steps[:-1]) / 2
-      edges = np.concatenate(
-        [[steps[0] - (mid[0] - steps[0])], mid, [steps[-1] + (steps[-1] - mid[-1])]]
-      )
-    else:
-      edges = np.array([steps[0] - 0.5, steps[0] + 0.5])
-    data = np.ma.masked_where(~(np.isfinite(mat) & (mat > 0)), mat)
+    mid = (steps[1:] + steps[:-1]) / 2
+    edges = (
+      np.concatenate([[2 * steps[0] - mid[0]], mid, [2 * steps[-1] - mid[-1]]])
+      if steps.size > 1
+      else steps[0] + np.array([-0.5, 0.5])
+    )
+    pos = np.isfinite(mat) & (mat > 0)
+    r = max(float(np.max(np.abs(np.log(mat[pos])))) if pos.any() else 0.0, math.log(1.05))
     im = ax.pcolormesh(
       edges,
       np.arange(mat.shape[0] + 1) - 0.5,
-      data,
+      np.ma.masked_where(~pos, mat),
       cmap=cmap,
-      norm=_centred_norm(mat),
+      norm=LogNorm(math.exp(-r), math.exp(r)),
       shading="flat",
     )
     ax.set_facecolor("#bbbbbb")
@@ -762,25 +680,19 @@ def layer_heatmap(
         ha="center",
         va="center",
         fontsize=10,
-        color="#333333",
+        color=_GREY,
         bbox=dict(boxstyle="round", fc="white", ec="#999999"),
       )
     cb = fig.colorbar(im, ax=ax, pad=0.02)
-    norm = im.norm
-    cb.set_ticks(
-      np.geomspace(norm.vmin, norm.vmax, 5),
-      labels=[f"{t:.3g}" for t in np.geomspace(norm.vmin, norm.vmax, 5)],
-    )
+    ticks = np.geomspace(math.exp(-r), math.exp(r), 5)
+    cb.set_ticks(ticks, labels=[f"{t:.3g}" for t in ticks])
     cb.ax.minorticks_off()
     cb.set_label(c + " (log scale)", fontsize=9)
-    labels = _layer_labels(mat.shape[0])
-    every = max(1, math.ceil(mat.shape[0] / 16))
-    ticks = list(range(0, mat.shape[0], every))
-    ax.set_yticks(ticks)
-    ax.set_yticklabels([labels[i] for i in ticks], fontsize=8)
+    rows = list(range(0, mat.shape[0], max(1, math.ceil(mat.shape[0] / 16))))
+    ax.set_yticks(rows, labels=[f"{'mlp' if i % 2 else 'attn'} {i // 2}" for i in rows], fontsize=8)
     ax.set_ylabel("mixer layer")
     ax.set_xlabel("training step")
-    ax.set_title(names.get(c, c), fontsize=10)
+    ax.set_title(names.get(c, f"{c} of ∏ H_res"), fontsize=10)
   run = dict(run)
   parts = [
     f"{k}={_fmt(run[k])}"
@@ -795,81 +707,72 @@ def layer_heatmap(
 def lr_sensitivity_curves(
   runs: pd.DataFrame, lr_table: pd.DataFrame, path, *, dpi: int = 110
 ) -> str | None:
-  """Final loss against learning rate (log x), one line per group of runs that differ only in
-  lr (colour = mixer), diverged runs as X at the initial loss, LRS in the legend. Where the
-  groups also differ in the seed, one line per group of seeds: the mean over seeds with a 95%
-  Student t band, an X where any seed diverged, and the LRS as mean [95% CI] over seeds."""
+  """Final loss against lr (log x), one line per group differing only in lr (mean and 95% band
+  over seeds), diverged runs as X at the initial loss, LRS in the legend."""
   if not len(lr_table) or "lr" not in runs.columns:
     return None
   group_cols = lr_table.attrs.get("group_columns") or [
-    c
-    for c in lr_table.columns
-    if c
-    not in (
-      "n_lr",
-      "lrs",
-      "best_lr",
-      "best_final_loss",
-      "loss_init",
-      "n_diverged",
-      "lr_sensitivity",
-    )
+    c for c in lr_table.columns if c not in _LR_STATS
   ]
   d = runs[runs["steps"] > 0].copy()
-  d["_lr"] = _num(d["lr"])
+  d["_lr"] = _num(d["lr"]).to_numpy()
   d = d[d["_lr"].notna()]
   if not len(d):
     return None
-  panel = _panel_col(d)
-  styles = _style_cols(runs, panel)
-  style_keys = sorted({tuple(str(r[c]) for c in styles) for _, r in d.iterrows()})
+  panel, pvals, styles, keys = _layout(d, runs)
   seeds = _varying(d, "seed")
   colors = mixer_colors(_mixer_of(runs))
-  pvals = (
-    sorted(d[panel].dropna().unique(), key=lambda v: (_num(pd.Series([v]))[0], str(v)))
-    if panel
-    else [None]
-  )
   fig, axes = _grid(len(pvals), w=4.6, h=3.4)
-  allv = np.concatenate(
-    [d["final_loss"].to_numpy(dtype=float), lr_table["loss_init"].to_numpy(dtype=float)]
+  log = _use_log(
+    np.concatenate([d["final_loss"].to_numpy(float), lr_table["loss_init"].to_numpy(float)])
   )
-  log = _use_log(allv)
+  unit_cols = [c for c in group_cols if not (seeds and c == "seed")]
+  grid = sorted(d["_lr"].unique())
   banded = 0
   for ax, pv in zip(axes, pvals):
     sub = d if panel is None else d[d[panel] == pv]
     inits = []
-    unit_cols = [c for c in group_cols if not (seeds and c == "seed")]
     for _, rows in stats.split(lr_table, unit_cols):  # with seeds: all seeds of a group at once
       row = rows.iloc[0]
       mask = np.ones(len(sub), dtype=bool)
       for c in unit_cols:
         mask &= (sub[c].astype(str) == str(row[c])).to_numpy()
-      g = sub[mask]
-      if not len(g):
+      if not mask.any():
         continue
-      # per lr: mean over the runs (seeds) and, with several, the 95% interval; NaN if any diverged
-      per = g.groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist())).sort_index()
+      # per lr: mean over seeds and its 95% interval; NaN if any diverged
+      per = (
+        sub[mask]
+        .groupby("_lr")["final_loss"]
+        .apply(lambda v: stats.mean_ci(v.tolist()))
+        .sort_index()
+      )
       mean = pd.Series([t[0] for t in per], index=per.index)
       init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
       inits.append(init)
       m = str(row["mixer"]) if "mixer" in row else "run"
       key = tuple(str(row[c]) for c in styles)
-      ls = _STYLES[style_keys.index(key) % len(_STYLES)] if key in style_keys else "-"
-      if len(colors) == 1 and key in style_keys:  # one mixer: tell the other axes apart by colour
-        colors = {**colors, m: _PALETTE[style_keys.index(key) % len(_PALETTE)]}
-      ok = np.isfinite(mean.to_numpy())
+      if len(colors) == 1 and key in keys:  # one mixer: tell the other axes apart by colour
+        colors = {**colors, m: _PALETTE[keys.index(key) % len(_PALETTE)]}
       label = m + "".join(f", {c}={row[c]}" for c in styles)
       sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
       if n > 1 and np.isfinite(s_lo):
         label += f"  (LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds)"
       elif np.isfinite(sens):
         label += f"  (LRS {sens:.3g})"
+      ok = np.isfinite(mean.to_numpy())
       x = mean.index.to_numpy()[ok]
-      ax.plot(x, mean.to_numpy()[ok], color=colors[m], ls=ls, marker="o", ms=5, lw=1.8, label=label)
+      ax.plot(
+        x,
+        mean.to_numpy()[ok],
+        color=colors[m],
+        ls=_style(row, styles, keys),
+        marker="o",
+        ms=5,
+        lw=1.8,
+        label=label,
+      )
       if n > 1:
-        lo = np.array([t[1] for t in per])[ok]
-        hi = np.array([t[2] for t in per])[ok]
+        lo, hi = (np.array([t[k] for t in per])[ok] for k in (1, 2))
         ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0)
         banded = max(banded, n)
       div = mean[~ok]
@@ -891,7 +794,6 @@ def lr_sensitivity_curves(
     if log:
       ax.set_yscale("log")
       _plain_log_ticks(ax)
-    grid = sorted(d["_lr"].unique())
     ax.set_xticks(grid, labels=[f"{v:g}" for v in grid])
     ax.xaxis.set_minor_formatter(NullFormatter())
     if len(grid) > 5:
@@ -905,23 +807,16 @@ def lr_sensitivity_curves(
       ax.set_ylabel("final loss (nats / token)")
     if ax.get_legend_handles_labels()[0]:
       below = -0.32 if len(grid) > 5 else -0.2  # clear of rotated tick labels and the x label
-      ax.legend(loc="upper center", bbox_to_anchor=(0.5, below), fontsize=8, frameon=False, ncol=1)
+      ax.legend(loc="upper center", bbox_to_anchor=(0.5, below), fontsize=8, frameon=False)
+  nan = "final loss NaN/inf (drawn at the initial loss)" + (
+    "; with seeds: any seed" if banded else ""
+  )
   extra = [
-    Line2D(
-      [],
-      [],
-      ls="none",
-      marker="X",
-      ms=9,
-      color="#999999",
-      mec="black",
-      label="final loss NaN/inf (drawn at the initial loss)"
-      + ("; with seeds: any seed" if banded else ""),
-    ),
+    Line2D([], [], ls="none", marker="X", ms=9, color="#999999", mec="black", label=nan),
     Line2D([], [], color="#888888", ls=":", label="initial loss"),
   ]
   if banded:
-    extra.append(Patch(color="#333333", alpha=0.22, label=f"95% CI over seeds (≤ {banded})"))
+    extra.append(Patch(color=_GREY, alpha=0.22, label=f"95% CI over seeds (≤ {banded})"))
   fig.legend(handles=extra, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False)
   if panel:
     fig.suptitle("Final loss against learning rate", fontsize=12)
