@@ -28,19 +28,6 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 from mhc_jax import storage  # noqa: E402
 from mhc_jax.sweep import stats  # noqa: E402
 
-__all__ = [
-  "mixer_colors",
-  "describe",
-  "CAPTIONS",
-  "loss_curves",
-  "grad_norm_curves",
-  "composite_gain_vs_depth",
-  "stream_spread_vs_layer",
-  "pick_heatmap_runs",
-  "layer_heatmap",
-  "lr_sensitivity_curves",
-]
-
 _KNOWN = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc_lite": "#2ca02c"}
 _EXTRA = ["#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f"]
 _STYLES = ["-", "--", ":", "-."]
@@ -56,6 +43,15 @@ _LR_STATS = {
   "lr_sensitivity",
 }
 _GREY = "#333333"
+
+_BAND = dict(alpha=0.22, lw=0)
+_LEG = dict(loc="outside right upper", fontsize=9, frameon=False)
+_SPIKE = dict(ls="none", marker="x", ms=8, mew=2, zorder=5)
+_NAN = dict(ls="none", marker="v", ms=9, mec="black", mew=0.6, clip_on=False, zorder=6)
+_DIV = dict(ls="none", marker="X", ms=10, mec="black", mew=0.8, zorder=5)
+_KIND = {"avg": dict(marker="o", ls="-"), "tok": dict(marker="s", ls="--")}
+_KIND_LABEL = {"avg": "token-averaged", "tok": "per-token (token mean)"}
+_DIRS = {"fwd": "forward (max |row sum|)", "bwd": "backward (max |column sum|)"}
 
 CAPTIONS = {
   "loss_curves": "Training loss (nats per token) against step, {panel_text}. "
@@ -181,18 +177,9 @@ def _mixer_of(runs: pd.DataFrame) -> pd.Series:
 
 
 def _grid(n: int, w: float = 4.8, h: float = 3.6):
-  ncols, nrows = min(n, 3), math.ceil(n / min(n, 3))
+  nc, nr = min(n, 3), math.ceil(n / 3)
   fig, axes = plt.subplots(
-    nrows, ncols, figsize=(w * ncols, h * nrows), squeeze=False, sharex=True, sharey=True
-  )
-  one = nrows == 1
-  fig.subplots_adjust(
-    left=0.08 if ncols > 1 else 0.14,
-    right=0.98,
-    bottom=0.14 if one else 0.08,
-    top=0.86 if one else 0.92,
-    wspace=0.08,
-    hspace=0.3,
+    nr, nc, figsize=(w * nc, h * nr), squeeze=False, sharex=True, sharey=True, layout="constrained"
   )
   for ax in axes.ravel()[n:]:
     ax.set_visible(False)
@@ -268,16 +255,14 @@ def _use_log(values: np.ndarray, ratio: float = 30.0) -> bool:
   return bool(v.size) and v.max() / v.min() >= ratio
 
 
-def _finish(fig, axes, handles, *, log, xlabel, ylabel, title=None, anchor=0.9) -> None:
+def _finish(fig, axes, handles, *, log, xlabel, ylabel, title=None) -> None:
   for ax in axes:
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.label_outer()
     if log:
       _plain_log_ticks(ax)
-  fig.legend(
-    handles=handles, loc="upper left", bbox_to_anchor=(0.99, anchor), fontsize=9, frameon=False
-  )
+  fig.legend(handles=handles, **_LEG)
   if title:
     fig.suptitle(title, fontsize=12)
 
@@ -316,7 +301,7 @@ def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[
 
 
 # =========================================================================== curves
-def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log, dpi) -> str | None:
+def _curves(metrics, runs, events, path, col, spike_kind, ylabel, title, log, dpi) -> str | None:
   if metrics is None or not len(metrics) or col not in metrics.columns:
     return None
   runs = runs[runs["run"].isin(set(metrics["run"]))]
@@ -344,7 +329,7 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
       ls = _style(r, styles, keys)
       if len(members) > 1:  # replicate seeds: mean line and band, markers per seed
         steps, mid, lo, hi = _seed_band([series[n] for n in members["run"]], log)
-        ax.fill_between(steps, lo, hi, color=c, alpha=0.22, lw=0)
+        ax.fill_between(steps, lo, hi, color=c, **_BAND)
         ax.plot(steps, mid, color=c, ls=ls, lw=1.6, alpha=0.95)
         max_band = max(max_band, len(members))
       for name in members["run"]:
@@ -357,23 +342,11 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
         pts = [(s, lookup.get(float(s), np.nan)) for s in (ev["step"] if len(ev) else [])]
         pts = [(s, v) for s, v in pts if np.isfinite(v)]
         if pts:
-          ax.plot(*zip(*pts), ls="none", marker="x", ms=8, mew=2.0, color=c, zorder=5)
+          ax.plot(*zip(*pts), color=c, **_SPIKE)
           any_spike = True
         bad = np.flatnonzero(~np.isfinite(vals))
         if bad.size:
-          ax.plot(
-            [steps[bad[0]]],
-            [0.97],
-            transform=tr,
-            marker="v",
-            ms=9,
-            color=c,
-            mec="black",
-            mew=0.6,
-            ls="none",
-            clip_on=False,
-            zorder=6,
-          )
+          ax.plot([steps[bad[0]]], [0.97], transform=tr, color=c, **_NAN)
           any_nonfinite = True
     if log:
       ax.set_yscale("log")
@@ -381,24 +354,11 @@ def _curves(metrics, runs, events, path, *, col, spike_kind, ylabel, title, log,
     ax.grid(True, which="major", alpha=0.3)
   handles = _legend_handles(colors, styles, keys, max_band, lrs)
   if any_spike:
-    handles.append(
-      Line2D([], [], ls="none", marker="x", ms=8, mew=2, color=_GREY, label=f"{spike_kind} event")
-    )
+    handles.append(Line2D([], [], color=_GREY, label=f"{spike_kind} event", **_SPIKE))
   if any_nonfinite:
-    handles.append(
-      Line2D(
-        [], [], ls="none", marker="v", ms=9, color="#999999", mec="black", label="became NaN/inf"
-      )
-    )
-  _finish(
-    fig,
-    axes,
-    handles,
-    log=log,
-    xlabel="training step",
-    ylabel=ylabel,
-    title=title if panel else None,
-  )
+    handles.append(Line2D([], [], color="#999999", label="became NaN/inf", **_NAN))
+  t = title if panel else None
+  _finish(fig, axes, handles, log=log, xlabel="training step", ylabel=ylabel, title=t)
   return _save(fig, path, dpi)
 
 
@@ -412,36 +372,16 @@ def loss_curves(
   log: bool | None = None,
 ) -> str | None:
   """Training loss against step, spike/loss events as x's (``log=None``: log y at 30x span)."""
-  return _curves(
-    metrics,
-    runs,
-    events,
-    path,
-    col="loss",
-    spike_kind="spike/loss",
-    ylabel="training loss (nats / token)",
-    title="Training loss",
-    log=log,
-    dpi=dpi,
-  )
+  y = "training loss (nats / token)"
+  return _curves(metrics, runs, events, path, "loss", "spike/loss", y, "Training loss", log, dpi)
 
 
 def grad_norm_curves(
   metrics: pd.DataFrame, runs: pd.DataFrame, events: pd.DataFrame, path, *, dpi: int = 110
 ) -> str | None:
   """Gradient norm (before clipping) against step, log y, spike/grad events as x's."""
-  return _curves(
-    metrics,
-    runs,
-    events,
-    path,
-    col="grad_norm",
-    spike_kind="spike/grad",
-    ylabel="gradient norm (L2, before clipping)",
-    title="Gradient norm",
-    log=True,
-    dpi=dpi,
-  )
+  y, t = "gradient norm (L2, before clipping)", "Gradient norm"
+  return _curves(metrics, runs, events, path, "grad_norm", "spike/grad", y, t, True, dpi)
 
 
 # =========================================================================== per-layer
@@ -486,11 +426,8 @@ def composite_gain_vs_depth(
   banded = len(set(keys)) == len(keys) and any(len(g) > 1 for g in groups)
   kinds = [k for k in ("avg", "tok") if (data["kind"] == k).any()]
   depths = sorted(data["depth"].unique())
-  fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), sharey=True)
-  fig.subplots_adjust(left=0.1, right=0.98, bottom=0.14, top=0.84, wspace=0.06)
-  for ax, d, name in zip(
-    axes, ("fwd", "bwd"), ("forward (max |row sum|)", "backward (max |column sum|)")
-  ):
+  fig, axes = plt.subplots(1, 2, figsize=(10.5, 4.0), sharey=True, layout="constrained")
+  for ax, d in zip(axes, ("fwd", "bwd")):
     ax.axhline(1.0, color="#888888", ls=":", lw=1)
     for i, (kind, m) in enumerate((k, m) for k in kinds for m in colors):
       sel = data[(data["mixer"] == m) & (data["dir"] == d) & (data["kind"] == kind)]
@@ -498,27 +435,18 @@ def composite_gain_vs_depth(
       if not len(sel):
         continue
       j = i % len(colors)  # earlier mixers bigger and below: coinciding lines stay visible
-      tok = kind == "tok"
-      style = dict(
-        color=colors[m],
-        marker="s" if tok else "o",
-        ms=max(4.0, 10 - 1.5 * j),
-        lw=max(1.2, 3.5 - 0.6 * j),
-        ls="--" if tok else "-",
-        zorder=2 + j + 0.5 * tok,
-      )
+      style = dict(color=colors[m], ms=max(4.0, 10 - 1.5 * j), lw=max(1.2, 3.5 - 0.6 * j))
+      style.update(_KIND[kind], zorder=2 + j)
       if banded:  # geometric mean and 95% Student t interval over seeds
         band = g.apply(lambda v: stats.mean_ci(v.to_numpy(dtype=float), log=True))
         mid, lo, hi = (np.array([b[k] if b[3] > 1 else b[0] for b in band]) for k in range(3))
-        ax.fill_between(band.index.to_numpy(), lo, hi, color=colors[m], alpha=0.22, lw=0, zorder=1)
-        ax.plot(band.index.to_numpy(), mid, **style)
+        ax.fill_between(band.index, lo, hi, color=colors[m], zorder=1, **_BAND)
+        ax.plot(band.index, mid, **style)
       else:  # median, bar min to max
         med, lo, hi = g.median(), g.min(), g.max()
-        ax.errorbar(
-          med.index.to_numpy(), med.to_numpy(), yerr=[med - lo, hi - med], capsize=4, **style
-        )
+        ax.errorbar(med.index, med, yerr=[med - lo, hi - med], capsize=4, **style)
     ax.set_yscale("log")
-    ax.set_title(name, fontsize=10)
+    ax.set_title(_DIRS[d], fontsize=10)
     ax.grid(True, which="both", alpha=0.25)
     if len(depths) > 1 and depths[0] > 0 and depths[-1] / depths[0] >= 4:
       ax.set_xscale("log", base=2)  # depth ladders usually double
@@ -528,24 +456,14 @@ def composite_gain_vs_depth(
       ax.set_xlim(depths[0] - 1, depths[0] + 1)
   handles = [Line2D([], [], color=colors[m], marker="o", lw=2, label=m) for m in colors]
   if "tok" in kinds:
-    handles.append(Line2D([], [], color=_GREY, marker="o", lw=1.5, label="token-averaged"))
-    handles.append(
-      Line2D([], [], color=_GREY, marker="s", ls="--", lw=1.5, label="per-token (token mean)")
-    )
+    handles += [Line2D([], [], color=_GREY, label=_KIND_LABEL[k], **_KIND[k]) for k in _KIND]
   handles.append(Line2D([], [], color="#888888", ls=":", label="gain 1"))
   if banded:
     n = int(data.groupby(["mixer", "dir", "kind", "depth"])["run"].nunique().max())
     handles.append(Patch(color=_GREY, alpha=0.22, label=f"95% CI over seeds (≤ {n})"))
-  _finish(
-    fig,
-    axes,
-    handles,
-    log=True,
-    xlabel="depth L (blocks; 2L mixer layers)",
-    ylabel="",
-    title="Composite Amax gain against depth (max over training)",
-    anchor=0.84,
-  )
+  title = "Composite Amax gain against depth (max over training)"
+  x = "depth L (blocks; 2L mixer layers)"
+  _finish(fig, axes, handles, log=True, xlabel=x, ylabel="", title=title)
   axes[0].set_ylabel("composite Amax gain of ∏ H_res\n(whole depth, max over training)")
   return _save(fig, path, dpi)
 
@@ -584,7 +502,7 @@ def stream_spread_vs_layer(
       mid = mat[0]
       if len(vals) > 1:
         mid, lo, hi = _band(mat, log)
-        ax.fill_between(x, lo, hi, color=c, alpha=0.22, lw=0)
+        ax.fill_between(x, lo, hi, color=c, **_BAND)
         max_band = max(max_band, len(vals))
       ax.plot(x, mid, color=c, ls=_style(r, styles, keys), lw=1.6, marker="o", ms=3)
     if log:
@@ -592,15 +510,8 @@ def stream_spread_vs_layer(
     ax.set_title(_panel_title(panel, pv), fontsize=10)
     ax.grid(True, which="major", alpha=0.3)
   handles = _legend_handles(colors, styles, keys, max_band)
-  _finish(
-    fig,
-    axes,
-    handles,
-    log=log,
-    xlabel="mixer layer (attn 0, mlp 0, attn 1, ...)",
-    ylabel="stream spread",
-    title="Stream spread against layer (last diagnostics step)",
-  )
+  x, title = "mixer layer (attn 0, mlp 0, attn 1, ...)", "Stream spread against layer"
+  _finish(fig, axes, handles, log=log, xlabel=x, ylabel="stream spread", title=title)
   return _save(fig, path, dpi)
 
 
@@ -646,52 +557,30 @@ def layer_heatmap(
     return None
   nl = max(m.shape[0] for _, _, m in mats)
   height = 2.6 + min(nl, 48) * 0.13
-  fig, axes = plt.subplots(1, len(mats), figsize=(6.0 * len(mats), height), squeeze=False)
-  fig.subplots_adjust(
-    left=0.08, right=0.98, bottom=0.9 / height, top=1 - 0.55 / height, wspace=0.25
-  )
+  fig, axes = plt.subplots(1, len(mats), figsize=(6.0 * len(mats), height), layout="constrained")
   cmap = plt.get_cmap("RdBu_r").with_extremes(bad="#bbbbbb")
   names = {"gain_fwd": "gain_fwd: RMS(out) / RMS(in)"}
-  for ax, (c, steps, mat) in zip(axes[0], mats):
-    mid = (steps[1:] + steps[:-1]) / 2
-    edges = (
-      np.concatenate([[2 * steps[0] - mid[0]], mid, [2 * steps[-1] - mid[-1]]])
-      if steps.size > 1
-      else steps[0] + np.array([-0.5, 0.5])
-    )
+  for ax, (c, steps, mat) in zip(np.atleast_1d(axes), mats):
+    mid = (steps[1:] + steps[:-1]) / 2 if steps.size > 1 else steps - 0.5
+    edges = np.concatenate([[2 * steps[0] - mid[0]], mid, [2 * steps[-1] - mid[-1]]])
     pos = np.isfinite(mat) & (mat > 0)
     r = max(float(np.max(np.abs(np.log(mat[pos])))) if pos.any() else 0.0, math.log(1.05))
-    im = ax.pcolormesh(
-      edges,
-      np.arange(mat.shape[0] + 1) - 0.5,
-      np.ma.masked_where(~pos, mat),
-      cmap=cmap,
-      norm=LogNorm(math.exp(-r), math.exp(r)),
-      shading="flat",
-    )
+    norm = LogNorm(math.exp(-r), math.exp(r))
+    ys = np.arange(mat.shape[0] + 1) - 0.5
+    im = ax.pcolormesh(edges, ys, np.ma.masked_where(~pos, mat), cmap=cmap, norm=norm)
     ax.set_facecolor("#bbbbbb")
     fin = mat[np.isfinite(mat)]
     if fin.size and np.ptp(fin) <= 1e-9 * max(1.0, abs(fin[0])):
-      ax.text(
-        0.5,
-        0.5,
-        f"constant {fin[0]:.4g} at every layer and step",
-        transform=ax.transAxes,
-        ha="center",
-        va="center",
-        fontsize=10,
-        color=_GREY,
-        bbox=dict(boxstyle="round", fc="white", ec="#999999"),
-      )
+      msg = f"constant {fin[0]:.4g} at every layer and step"
+      ax.text(0.5, 0.5, msg, transform=ax.transAxes, ha="center", bbox=dict(fc="white"))
     cb = fig.colorbar(im, ax=ax, pad=0.02)
-    ticks = np.geomspace(math.exp(-r), math.exp(r), 5)
+    ticks = np.geomspace(norm.vmin, norm.vmax, 5)
     cb.set_ticks(ticks, labels=[f"{t:.3g}" for t in ticks])
     cb.ax.minorticks_off()
     cb.set_label(c + " (log scale)", fontsize=9)
     rows = list(range(0, mat.shape[0], max(1, math.ceil(mat.shape[0] / 16))))
     ax.set_yticks(rows, labels=[f"{'mlp' if i % 2 else 'attn'} {i // 2}" for i in rows], fontsize=8)
-    ax.set_ylabel("mixer layer")
-    ax.set_xlabel("training step")
+    ax.set(ylabel="mixer layer", xlabel="training step")
     ax.set_title(names.get(c, f"{c} of ∏ H_res"), fontsize=10)
   run = dict(run)
   parts = [
@@ -722,7 +611,7 @@ def lr_sensitivity_curves(
   panel, pvals, styles, keys = _layout(d, runs)
   seeds = _varying(d, "seed")
   colors = mixer_colors(_mixer_of(runs))
-  fig, axes = _grid(len(pvals), w=4.6, h=3.4)
+  fig, axes = _grid(len(pvals))
   log = _use_log(
     np.concatenate([d["final_loss"].to_numpy(float), lr_table["loss_init"].to_numpy(float)])
   )
@@ -761,33 +650,15 @@ def lr_sensitivity_curves(
         label += f"  (LRS {sens:.3g})"
       ok = np.isfinite(mean.to_numpy())
       x = mean.index.to_numpy()[ok]
-      ax.plot(
-        x,
-        mean.to_numpy()[ok],
-        color=colors[m],
-        ls=_style(row, styles, keys),
-        marker="o",
-        ms=5,
-        lw=1.8,
-        label=label,
-      )
+      ls = _style(row, styles, keys)
+      ax.plot(x, mean.to_numpy()[ok], color=colors[m], ls=ls, marker="o", label=label)
       if n > 1:
         lo, hi = (np.array([t[k] for t in per])[ok] for k in (1, 2))
-        ax.fill_between(x, lo, hi, color=colors[m], alpha=0.22, lw=0)
+        ax.fill_between(x, lo, hi, color=colors[m], **_BAND)
         banded = max(banded, n)
       div = mean[~ok]
       if len(div) and np.isfinite(init):
-        ax.plot(
-          div.index,
-          [init] * len(div),
-          ls="none",
-          marker="X",
-          ms=10,
-          color=colors[m],
-          mec="black",
-          mew=0.8,
-          zorder=5,
-        )
+        ax.plot(div.index, [init] * len(div), color=colors[m], **_DIV)
     if inits and np.isfinite(np.nanmedian(inits)):
       ax.axhline(float(np.nanmedian(inits)), color="#888888", ls=":", lw=1)
     ax.set_xscale("log")
@@ -806,18 +677,17 @@ def lr_sensitivity_curves(
     if ax.get_subplotspec().is_first_col():
       ax.set_ylabel("final loss (nats / token)")
     if ax.get_legend_handles_labels()[0]:
-      below = -0.32 if len(grid) > 5 else -0.2  # clear of rotated tick labels and the x label
-      ax.legend(loc="upper center", bbox_to_anchor=(0.5, below), fontsize=8, frameon=False)
+      ax.legend(loc="best", fontsize=7, frameon=False)
   nan = "final loss NaN/inf (drawn at the initial loss)" + (
     "; with seeds: any seed" if banded else ""
   )
   extra = [
-    Line2D([], [], ls="none", marker="X", ms=9, color="#999999", mec="black", label=nan),
+    Line2D([], [], color="#999999", label=nan, **_DIV),
     Line2D([], [], color="#888888", ls=":", label="initial loss"),
   ]
   if banded:
     extra.append(Patch(color=_GREY, alpha=0.22, label=f"95% CI over seeds (≤ {banded})"))
-  fig.legend(handles=extra, loc="upper left", bbox_to_anchor=(0.99, 0.9), fontsize=9, frameon=False)
+  fig.legend(handles=extra, **_LEG)
   if panel:
     fig.suptitle("Final loss against learning rate", fontsize=12)
   return _save(fig, path, dpi)
