@@ -31,7 +31,6 @@ from mhc_jax.sweep import stats  # noqa: E402
 _KNOWN = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc_lite": "#2ca02c"}
 _EXTRA = ["#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f"]
 _STYLES = ["-", "--", ":", "-."]
-_PALETTE = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 _ROLE_COLS = ("run", "mixer", "lr", "seed")
 _LR_STATS = {
   "n_lr",
@@ -629,19 +628,11 @@ def lr_sensitivity_curves(
       if not mask.any():
         continue
       # per lr: mean over seeds and its 95% interval; NaN if any diverged
-      per = (
-        sub[mask]
-        .groupby("_lr")["final_loss"]
-        .apply(lambda v: stats.mean_ci(v.tolist()))
-        .sort_index()
-      )
+      per = sub[mask].groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist()))
       mean = pd.Series([t[0] for t in per], index=per.index)
       init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
       inits.append(init)
       m = str(row["mixer"]) if "mixer" in row else "run"
-      key = tuple(str(row[c]) for c in styles)
-      if len(colors) == 1 and key in keys:  # one mixer: tell the other axes apart by colour
-        colors = {**colors, m: _PALETTE[keys.index(key) % len(_PALETTE)]}
       label = m + "".join(f", {c}={row[c]}" for c in styles)
       sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
       if n > 1 and np.isfinite(s_lo):
@@ -667,8 +658,7 @@ def lr_sensitivity_curves(
       _plain_log_ticks(ax)
     ax.set_xticks(grid, labels=[f"{v:g}" for v in grid])
     ax.xaxis.set_minor_formatter(NullFormatter())
-    if len(grid) > 5:
-      ax.tick_params(axis="x", labelrotation=45)
+    ax.tick_params(axis="x", labelrotation=45 if len(grid) > 5 else 0)
     ax.set_title(
       _panel_title(panel, pv) if panel else "Final loss against learning rate", fontsize=10
     )
