@@ -1051,3 +1051,20 @@ def test_a_report_on_the_object_store(gcs, tmp_path_factory, capsys):
   capsys.readouterr()
   assert cli.main(["report", f"{gcs}/sw"]) == 0  # the command, as a user types it
   assert capsys.readouterr().out.endswith(f"report: {gcs}/sw/report/summary.md\n")
+
+
+def test_finding_says_who_diverged_first():
+  """Rule 1 of docs/statistics.md ("The sentence under the table"): a mixer whose runs diverged
+  (final loss NaN/inf) while another's did not comes before every other finding, counted over
+  the sweep and naming where; equal divergence in every mixer says nothing of it."""
+  nan = math.nan
+  spec = {
+    ("residual", 4): (1.0, 0.05, 0, 1.0, 1.0),
+    ("hc", 4): (1.0, 0.05, 0, 1.0, 1.0),
+    ("residual", 8): (1.0, 0.05, 0, 1.0, 1.0),
+    ("hc", 8): (nan, 2.1, 3, 9.0, 9.0),  # would also make rules 2-4 fire: rule 1 comes first
+  }
+  text = finding(_table(_rows(spec, seeds=(0, 1, 2))))
+  assert text.startswith("hc diverged in 3 of 6 runs (depth 8) while residual never did"), text
+  both = {k: (nan if k[1] == 8 else v[0], *v[1:]) for k, v in spec.items()}
+  assert "diverged" not in finding(_table(_rows(both, seeds=(0, 1, 2))))
