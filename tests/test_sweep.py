@@ -474,7 +474,9 @@ def test_tiny_sweep_completes(tiny_sweep):
   assert (out / "report" / "summary.md").exists()
   text = tiny_sweep["second"]["out"]
   assert f"report: {out / 'report' / 'summary.md'}" in text
-  assert "| mixer=hc |" in text and "final_loss" in text  # the summary table
+  assert "| hc |" in text and "| eval_loss |" in text  # the screen-sized summary table
+  assert f"Every column, with its definition: {out / 'report' / 'summary.csv'}" in text
+  assert "max_grad_norm" not in text  # the full table is the CSV, not the screen
   from mhc_jax.sweep import report
 
   assert report.finding(report.summary_table(out)) in text  # the computed sentence, printed

@@ -30,17 +30,6 @@ __all__ = ["main", "run_sweep", "plan", "run_status", "write_manifest", "Unit", 
 
 # summary.json status -> the sweep's status of the run (anything else: not finished)
 SWEEP_STATUS = {"done": "done", "diverged": "done", "halted": "failed", "failed": "failed"}
-TABLE_COLUMNS = [
-  "status",
-  "steps",
-  "final_loss",
-  "spike_count",
-  "max_grad_norm",
-  "amax_fwd_composite_max",
-  "amax_bwd_composite_max",
-  "kl_bits",
-  "nonfinite",
-]
 
 
 def _say(msg: str) -> None:
@@ -516,13 +505,11 @@ def run_sweep(
 
 
 def _print_table(out_dir) -> None:
+  """The screen-sized summary (report.screen): the axes, a few columns, the sentence, and where
+  the full table is."""
   from mhc_jax.sweep import report
 
-  table = report.summary_table(out_dir)
-  ids = [c for c in table.attrs.get("id_columns", ["run"]) if c in table.columns]
-  cols = ids + [c for c in TABLE_COLUMNS if c in table.columns and c not in ids]
-  print(report.md_table(table[cols]), end="")
-  print(report.finding(table))
+  print(report.screen(out_dir))
 
 
 def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
