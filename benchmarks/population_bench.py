@@ -101,11 +101,8 @@ def main(argv=None) -> None:
 
   # the population: one program per mode
   for mode in modes:
-    mcfg = with_overrides(cfg, {"train.population_mode": mode})
-    prog = population.programs(mcfg, mesh, args.members, stacked_batch=False)
-    box = {
-      "s": prog.init_all([with_overrides(s.cfg, {"train.population_mode": mode}) for s in setups])
-    }
+    prog = population.programs(cfg, mesh, args.members, stacked_batch=False)
+    box = {"s": prog.init_all([s.cfg for s in setups])}
 
     def pop_step(prog=prog, box=box):
       box["s"], m = prog.step(box["s"], lr_arr, active, batch, False)
@@ -179,8 +176,7 @@ def dots_alone(cfg, setups, mesh, batch, modes, args) -> None:
   active = jax.device_put(np.ones(p, bool), rep)
   sets = {}
   for mode in modes:
-    mcfg = with_overrides(cfg, {"train.population_mode": mode})
-    prog = population.programs(mcfg, mesh, p, stacked_batch=False)
+    prog = population.programs(cfg, mesh, p, stacked_batch=False)
     state = prog.init_all([with_overrides(s.cfg, {"model.scan": False}) for s in setups])
     text = prog.step.lower(state, lr_arr, active, batch, False).compile().as_text()
     sets[f"population ({mode})"] = step_dots.hlo_dots(text)
