@@ -1,24 +1,7 @@
-"""Run configuration: frozen pydantic dataclasses, loaded from YAML plus dotted overrides, and
-validated before anything runs.
-
-A config file has up to seven top-level keys: ``name`` and the sections ``model``, ``data``,
-``optim``, ``train``, ``mesh``, ``dist`` (every key optional; defaults below). Overrides are
-``a.b.c=VALUE`` strings whose VALUE is parsed as YAML (``3e-3``, ``true``, ``[1, 2]``, ``null``).
-``model.mixer_options`` holds the options of ``model.mixer`` (its typed model in
-:mod:`mhc_jax.mixer_options`: ``n`` streams and the rest), only those set.
-
-Every problem raises :class:`ConfigError` with one message that names the dotted key::
-
-    model.heads: 3 does not divide model.width=64
-    model.dept: unknown key (did you mean model.depth?)
-
-Types are strict (``1`` is no bool, ``10.0`` no int; ints are accepted for floats and stored as
-floats) and unknown keys are errors. Constructing any section validates it, and :class:`Config`
-adds the checks that span sections, so a ``Config`` in hand is a valid one;
-``dataclasses.replace`` re-validates. Checks that need the outside world are separate:
-:func:`check_paths` (data files, run by :func:`load_config`) and :func:`validate_mesh` (needs
-the device count). Nothing here imports jax.
-"""
+"""Run configuration: frozen, strict pydantic dataclasses, loaded from YAML plus dotted
+``a.b.c=VALUE`` overrides and validated before anything runs. Every problem is one
+:class:`ConfigError` naming the dotted key; the keys, types and rules are in docs/interfaces.md
+("Config"). Nothing here imports jax."""
 
 import copy
 import dataclasses
@@ -30,7 +13,7 @@ import math
 import os
 import re
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any, Literal, Optional
 
 import pydantic
@@ -45,40 +28,24 @@ DEFAULT_VOCAB = 256  # what a model uses when neither model.vocab nor the data s
 POSTERIOR_TASKS = ("bijection", "hmm")  # tasks with an exact posterior (data.target=posterior)
 
 
-# ------------------------------------------------------------------------------------------
-# YAML: a SafeLoader that reads 3e-3 / 1e4 as floats (YAML 1.1 wants a dot) and rejects
-# duplicate keys (PyYAML silently keeps the last one).
-
-_FLOAT_TAG = "tag:yaml.org,2002:float"
-_FLOAT_RE = re.compile(
-  r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |[-+]?\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-  re.X,
-)
-
-
 class _Loader(yaml.SafeLoader):
+  """PyYAML's SafeLoader, rejecting duplicate keys (PyYAML silently keeps the last one)."""
+
   def construct_mapping(self, node, deep=False):
-    seen = set()
-    for key_node, _ in node.value:
-      if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-        if (key_node.tag, key_node.value) in seen:
-          raise yaml.constructor.ConstructorError(
-            None, None, f"duplicate key {key_node.value!r}", key_node.start_mark
-          )
-        seen.add((key_node.tag, key_node.value))
+    keys = [(k.tag, k.value) for k, _ in node.value if isinstance(k, yaml.ScalarNode)]
+    for i, (tag, value) in enumerate(keys):
+      if tag != "tag:yaml.org,2002:merge" and (tag, value) in keys[:i]:
+        mark = node.value[i][0].start_mark
+        raise yaml.constructor.ConstructorError(None, None, f"duplicate key {value!r}", mark)
     return super().construct_mapping(node, deep=deep)
 
 
-_Loader.yaml_implicit_resolvers = {
-  first: [(tag, rx) for tag, rx in resolvers if tag != _FLOAT_TAG]
-  for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(_FLOAT_TAG, _FLOAT_RE, list("-+0123456789."))
+# YAML 1.1 wants a dot and a signed exponent in a float: 3e-3, 1e4 and 1.5e3 are floats here too
+_Loader.add_implicit_resolver(
+  "tag:yaml.org,2002:float",
+  re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+  list("-+0123456789."),
+)
 
 
 def yaml_load(text: str) -> Any:
@@ -94,66 +61,57 @@ def _show(value: Any) -> str:
   return "null" if value is None else f"{type(value).__name__} {value!r}"
 
 
-def _unknown_key(prefix: str, key: Any, known: Iterable[str]) -> ConfigError:
-  full = f"{prefix}.{key}" if prefix else str(key)
+def _unknown_key(prefix: str, key: Any, known) -> ConfigError:
+  full, dot = (f"{prefix}.{key}", f"{prefix}.") if prefix else (str(key), "")
   if not isinstance(key, str):
     return ConfigError(f"{full}: keys must be strings, got {_show(key)}")
-  known = list(known)
-  close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+  close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
   if close:
-    return ConfigError(
-      f"{full}: unknown key (did you mean {f'{prefix}.' if prefix else ''}{close[0]}?)"
-    )
+    return ConfigError(f"{full}: unknown key (did you mean {dot}{close[0]}?)")
   return ConfigError(f"{full}: unknown key (known: {', '.join(known)})")
 
 
 def _fields(cls: type) -> dict[str, Any]:
   """{field: annotation} of a pydantic dataclass or model."""
-  if hasattr(cls, "model_fields"):
-    return {k: f.annotation for k, f in cls.model_fields.items()}
-  return {f.name: f.type for f in dataclasses.fields(cls)}
+  return {k: f.annotation for k, f in cls.__pydantic_fields__.items()}
 
 
 def _type_name(tp: Any) -> str:
-  args = [a for a in typing.get_args(tp) if a is not type(None)]
   if typing.get_origin(tp) in (typing.Union, type(int | None)):
-    return " or ".join(_type_name(a) for a in args) + " or null"
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    return " or ".join(map(_type_name, args)) + " or null"
   return "mapping" if typing.get_origin(tp) is dict else getattr(tp, "__name__", str(tp))
 
 
-_TYPE_ERRORS = ("int_type", "int_from_float", "float_type", "bool_type", "string_type")
+_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<"}
+_BOUNDS["less_than_equal"] = "<="
 
 
 def _error(e: pydantic.ValidationError, prefix: str, cls: type) -> ConfigError:
   """The first error of `e` (raised validating `cls`, at dotted key `prefix`) as a ConfigError."""
   err = e.errors(include_url=False)[0]
-  ctx, value = err.get("ctx", {}), err["input"]
+  ctx, value, kind = err.get("ctx", {}), err["input"], err["type"]
   if isinstance(ctx.get("error"), ConfigError):  # a check below that names its own key
     return ctx["error"]
   loc = [str(p) for p in err["loc"] if not str(p).startswith(("[", "function-"))]
   key = ".".join([prefix, *loc[:2]] if prefix else loc[:2]) or "config"
   tp = _fields(cls).get(loc[0]) if loc else None
-  kind = err["type"]
   if kind in ("extra_forbidden", "unexpected_keyword_argument"):
     return _unknown_key(prefix, loc[0], _fields(cls))
   if kind == "literal_error":
     choices = typing.get_args(tp)
     close = difflib.get_close_matches(value, choices, n=1) if isinstance(value, str) else []
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    opts = ", ".join(repr(c) for c in choices)
+    opts = ", ".join(map(repr, choices))
     return ConfigError(f"{key}: expected one of {opts}, got {_show(value)}{hint}")
-  if kind in _TYPE_ERRORS or kind == "dict_type":
+  if kind.endswith("_type") or kind == "int_from_float":
     return ConfigError(f"{key}: expected {_type_name(tp)}, got {_show(value)}")
-  if kind in ("dataclass_type", "dataclass_exact_type"):
-    return ConfigError(f"{key}: expected {tp.__name__}, got {_show(value)}")
   if kind == "finite_number":
     return ConfigError(f"{key}: expected a finite number, got {value!r}")
-  ops = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<"}
-  ops["less_than_equal"] = "<="
-  if kind in ops:
+  if kind in _BOUNDS:
     bound = next(iter(ctx.values()))
     bound = f"{bound:g}" if isinstance(bound, float) else bound
-    return ConfigError(f"{key}: must be {ops[kind]} {bound}, got {value!r}")
+    return ConfigError(f"{key}: must be {_BOUNDS[kind]} {bound}, got {value!r}")
   if kind == "value_error":
     return ConfigError(f"{key}: {ctx['error']}")
   if kind.startswith("invalid-json"):
@@ -220,16 +178,10 @@ class ModelConfig:
   rope: bool = True
   qk_norm: bool = False
   tied_embeddings: bool = True
-  # "dots" (default): the backward keeps only matmul outputs and recomputes the elementwise rest;
-  # under nn.scan every kept activation is a stacked [L, ...] buffer, and on the CPU keeping
-  # fewer made the step ~1.3x faster (docs/performance.md). Same numbers to rounding.
   remat: Literal["none", "full", "dots"] = "dots"
   scan: bool = True
   scan_unroll: int = Field(1, ge=1)  # blocks per nn.scan iteration (>1: longer compile, faster)
   dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
-  # the attention's value path (mhc_jax/model/layers.py, docs/performance.md): "auto" picks
-  # "cudnn" (cuDNN flash attention) on NVIDIA GPUs in bfloat16, "xla" elsewhere; both through
-  # jax.nn.dot_product_attention. "materialized": the [T, T] scores, for comparison.
   attention: Literal["auto", "xla", "cudnn", "materialized"] = "auto"
   param_dtype: Literal["float32"] = "float32"  # parameters and optimiser state stay float32
   init: Literal["standard", "depth_scaled"] = "standard"
@@ -320,9 +272,7 @@ class OptimConfig:
   b2: float = Field(0.95, ge=0, lt=1)
   eps: float = Field(1e-8, ge=0)
   weight_decay: float = Field(0.1, ge=0)
-  # False: decay multiplied by the scheduled lr (optax / PyTorch AdamW).
-  # True: decay per step = weight_decay * lr(t)/lr, independent of the peak lr.
-  independent_wd: bool = False
+  independent_wd: bool = False  # True: decay per step = weight_decay * lr(t)/lr
   clip: Optional[float] = Field(1.0, ge=0)  # global-norm clip; 0 or null turns it off
 
   @model_validator(mode="after")
@@ -445,6 +395,10 @@ class Config:
 # ------------------------------------------------------------------------------------------
 # dict <-> Config, overrides, files.
 
+# Keys since removed from the config, with the one value they had: accepted at that value (old
+# run directories load) and hashed as before, so old runs and sweeps keep their hashes.
+_RETIRED = {"train": {"inject_nonfinite_at": -1, "population_mode": "vmap"}}
+
 
 def to_dict(cfg: Config) -> dict:
   """Plain nested dict (YAML/JSON-able) of a Config."""
@@ -463,14 +417,18 @@ def from_dict(d: Mapping | None) -> Config:
       raise _unknown_key("", k, _TOP_KEYS)
   kwargs: dict[str, Any] = {k: d[k] for k in d if k == "name"}
   for key, cls in SECTIONS.items():
-    sub = d.get(key) or {}  # absent, or `model:` with nothing under it
+    sub, retired = d.get(key) or {}, _RETIRED.get(key, {})  # `model:` alone is None
     if not isinstance(sub, Mapping):
       raise ConfigError(f"{key}: expected a mapping, got {_show(sub)}")
-    sub = _drop_retired(key, sub)
-    for k in sub:
-      if not isinstance(k, str) or k not in _fields(cls):
+    for k, v in sub.items():
+      if not isinstance(k, str):
         raise _unknown_key(key, k, _fields(cls))
-    kwargs[key] = cls(**sub)
+      if k in retired and v != retired[k]:
+        raise ConfigError(
+          f"{key}.{k}: removed; only {retired[k]!r} (what every run now does) is accepted,"
+          f" got {_show(v)}"
+        )
+    kwargs[key] = cls(**{k: v for k, v in sub.items() if k not in retired})
   return Config(**kwargs)
 
 
@@ -479,40 +437,36 @@ def parse_override(text: str) -> tuple[str, Any]:
   if not isinstance(text, str) or "=" not in text:
     raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. optim.lr=3e-3")
   key, raw = text.split("=", 1)
-  key = key.strip()
   try:
-    value = yaml_load(raw) if raw.strip() else None
+    return key.strip(), yaml_load(raw) if raw.strip() else None
   except yaml.YAMLError as e:
     raise ConfigError(
-      f"{key}: cannot parse override value {raw!r} as YAML ({getattr(e, 'problem', None) or e})"
+      f"{key.strip()}: cannot parse override value {raw!r} as YAML"
+      f" ({getattr(e, 'problem', None) or e})"
     ) from None
-  return key, value
 
 
 def apply_overrides(cfg_dict: Mapping | None, overrides: Any = ()) -> dict:
-  """A copy of a nested config dict with dotted-key overrides applied.
-
-  `overrides` is a sequence of 'a.b=VALUE' strings or (key, value) pairs, or a mapping
-  {dotted key: value} (the form sweep axes take). Missing intermediate sections are created
-  (model.mixer_options.n=4); whether a key is allowed is checked by from_dict afterwards.
-  """
+  """A copy of a nested config dict with dotted-key overrides applied: 'a.b=VALUE' strings,
+  (key, value) pairs or a mapping {dotted key: value}. Missing sections are created; from_dict
+  checks the keys afterwards."""
   out = copy.deepcopy(dict(cfg_dict or {}))
   if isinstance(overrides, str):
     overrides = [overrides]
   for item in overrides.items() if isinstance(overrides, Mapping) else overrides:
     key, value = parse_override(item) if isinstance(item, str) else item
-    if not isinstance(key, str) or not key or any(not p for p in key.split(".")):
+    if not isinstance(key, str) or not all(key.split(".")):
       raise ConfigError(f"override {key!r}: malformed dotted key")
-    parts = key.split(".")
+    *parents, last = key.split(".")
     node = out
-    for i, part in enumerate(parts[:-1]):
+    for i, part in enumerate(parents):
       if node.get(part) is None:
         node[part] = {}
       elif not isinstance(node[part], dict):
-        where = ".".join(parts[: i + 1])
+        where = ".".join(parents[: i + 1])
         raise ConfigError(f"{where}: is {_show(node[part])}, not a section; cannot set {key}")
       node = node[part]
-    node[parts[-1]] = copy.deepcopy(value)
+    node[last] = copy.deepcopy(value)
   return out
 
 
@@ -521,8 +475,9 @@ def with_overrides(cfg: Config, overrides: Any) -> Config:
   return from_dict(apply_overrides(to_dict(cfg), overrides))
 
 
-def _read_yaml(path) -> dict:
-  where = f"config file {path}"
+def read_yaml(path, where: str = "") -> dict:
+  """A YAML file holding a mapping ({} when empty); ConfigError naming `where` (the file)."""
+  where = where or f"config file {path}"
   path = storage.path(path)
   if not path.exists():
     raise ConfigError(f"{where}: not found")
@@ -537,18 +492,12 @@ def _read_yaml(path) -> dict:
   except (OSError, UnicodeDecodeError) as e:
     raise ConfigError(f"{where}: cannot read ({e})") from None
   if d is not None and not isinstance(d, dict):
-    raise ConfigError(
-      f"{where}: top level must be a mapping of sections"
-      f" ({', '.join(_TOP_KEYS)}), got {type(d).__name__}"
-    )
+    raise ConfigError(f"{where}: top level must be a mapping, got {type(d).__name__}")
   return d or {}
 
 
 def check_paths(cfg: Config) -> None:
-  """Filesystem checks: a text/tfds task's data path (file, folder or glob) must exist.
-
-  A text task without a path reads the default corpus (the Python standard library sources).
-  """
+  """A text/tfds task's data path (file, folder or glob) must exist (none: the default corpus)."""
   if cfg.data.task not in ("text", "tfds"):
     return
   for name in ("path", "data_dir"):
@@ -566,12 +515,9 @@ def check_paths(cfg: Config) -> None:
 def load_config(
   path: str | os.PathLike | None = None, overrides: Any = (), *, check_files: bool = True
 ) -> Config:
-  """Read a YAML config (or the defaults when `path` is None), apply overrides, validate.
-
-  Raises ConfigError for any problem, before anything is created or written.
-  """
-  d = _read_yaml(path) if path is not None else {}
-  cfg = from_dict(apply_overrides(d, overrides))
+  """Read a YAML config (the defaults when `path` is None), apply overrides, validate;
+  ConfigError before anything is written."""
+  cfg = from_dict(apply_overrides(read_yaml(path) if path is not None else {}, overrides))
   if check_files:
     check_paths(cfg)
   return cfg
@@ -585,29 +531,6 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
   )
   body = yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
   storage.write_text_atomic(path, header + body)
-
-
-# Keys since removed from the config, with the one value they had: hashed as before, so run
-# directories and sweeps made before the removal keep their hashes.
-_RETIRED = {
-  "train": {
-    "inject_nonfinite_at": -1,  # a test hook, gone from the step
-    "population_mode": "vmap",  # "unroll" was CPU-only tuning; populations are vmapped
-  }
-}
-
-
-def _drop_retired(section: str, sub: Mapping) -> Mapping:
-  """`sub` without retired keys that hold their one remaining value (old run directories load);
-  a retired key set to anything else is an error, since that setting no longer exists."""
-  retired = _RETIRED.get(section, {})
-  for k in [k for k in sub if k in retired]:
-    if sub[k] != retired[k]:
-      raise ConfigError(
-        f"{section}.{k}: removed; only {retired[k]!r} (what every run now does) is accepted,"
-        f" got {_show(sub[k])}"
-      )
-  return {k: v for k, v in sub.items() if k not in retired}
 
 
 def config_hash(cfg: Config, length: int = 10) -> str:
@@ -627,10 +550,8 @@ def config_hash(cfg: Config, length: int = 10) -> str:
 def validate_mesh(
   mesh: MeshConfig, n_devices: int, batch_size: int | None = None
 ) -> tuple[int, int, int]:
-  """Resolve -1 against `n_devices`; check the product and (optionally) the batch split.
-
-  Returns (data, fsdp, tensor). The global batch is split over data*fsdp.
-  """
+  """(data, fsdp, tensor) with -1 resolved against `n_devices`; the product and (optionally)
+  the global batch's split over data*fsdp checked."""
   sizes = {"data": mesh.data, "fsdp": mesh.fsdp, "tensor": mesh.tensor}
   fixed = math.prod(v for v in sizes.values() if v != -1)
   for axis in [k for k, v in sizes.items() if v == -1]:
@@ -647,39 +568,24 @@ def validate_mesh(
   return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
-_DIST_ENV = {
-  "coordinator": ("MHC_COORDINATOR", str),
-  "num_processes": ("MHC_NUM_PROCESSES", int),
-  "process_id": ("MHC_PROCESS_ID", int),
-}
-
-
 def resolve_dist(dist: DistConfig, environ: Mapping[str, str] | None = None) -> DistConfig:
-  """Fill unset dist fields from MHC_COORDINATOR / MHC_NUM_PROCESSES / MHC_PROCESS_ID.
-
-  Values in the config win over the environment. Setting MHC_COORDINATOR enables dist.
-  Call this at start-up (not in load_config), so a saved config does not pin one process's id.
-  """
+  """Unset dist fields from MHC_COORDINATOR (which also enables dist), MHC_NUM_PROCESSES and
+  MHC_PROCESS_ID; the config wins. Called at start-up, so a saved config pins no process id."""
   env = os.environ if environ is None else environ
-  updates: dict[str, Any] = {}
-  for field, (var, tp) in _DIST_ENV.items():
-    raw = env.get(var)
-    if not raw or getattr(dist, field) is not None:
-      continue
-    try:
-      updates[field] = tp(raw.strip())
-    except ValueError:
-      raise ConfigError(f"{var}: expected int, got {raw!r}") from None
-  if env.get("MHC_COORDINATOR"):
-    updates["enabled"] = True
+  updates: dict[str, Any] = {"enabled": True} if env.get("MHC_COORDINATOR") else {}
+  for field in ("coordinator", "num_processes", "process_id"):
+    var, raw = f"MHC_{field.upper()}", env.get(f"MHC_{field.upper()}")
+    if raw and getattr(dist, field) is None:
+      try:
+        updates[field] = raw.strip() if field == "coordinator" else int(raw)
+      except ValueError:
+        raise ConfigError(f"{var}: expected int, got {raw!r}") from None
   return dataclasses.replace(dist, **updates) if updates else dist
 
 
 def with_data_vocab(cfg: Config, vocab: int | None) -> Config:
-  """Fill model.vocab from the data source's vocabulary (DEFAULT_VOCAB when neither says).
-
-  An explicit model.vocab must be at least the data's vocabulary.
-  """
+  """model.vocab filled from the data source's vocabulary (DEFAULT_VOCAB when neither says);
+  an explicit model.vocab must be at least the data's."""
   if cfg.model.vocab is None:
     v = vocab if vocab is not None else DEFAULT_VOCAB
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab=v))
