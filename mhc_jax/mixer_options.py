@@ -1,29 +1,15 @@
-"""Each mixer's options, typed: what ``model.mixer_options`` may hold for it.
-
-One pydantic model per registered mixer, with the fields, types and defaults of the mixer's
-dataclass (``mhc_jax/mixers/<name>.py``; ``tests/test_mixer_options.py`` checks that they
-agree) and the ranges a type cannot say. The config layer validates ``model.mixer_options``
-against :data:`OPTIONS` without importing jax or flax; options only the built model can check
-(``kromhc``'s ``factors`` against ``n``, ``laurel``'s ``rank`` against the width) are checked by
-``train.loop.prepare``, still before anything is written.
-
-This module sits beside the ``mhc_jax.mixers`` package, not in it: importing anything in the
-package imports every mixer, and with them jax and flax.
-
-``n`` is the number of residual streams (HC, mHC and their kin) or fractions (frac); the
-single-stream mixers take ``n = 1``.
-"""
+"""Each mixer's options, typed: what ``model.mixer_options`` may hold for it (docs/interfaces.md,
+"Config"). The fields and defaults are those of the mixer's dataclass in
+``mhc_jax/mixers/<name>.py`` (tests/test_mixer_options.py checks), read here without importing
+jax. ``n`` is the number of residual streams (fractions for frac); single-stream mixers take 1."""
 
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-__all__ = ["OPTIONS", "MixerOptions", "all_option_names", "names"]
-
 
 class MixerOptions(BaseModel):
-  """What every mixer takes (``mhc_jax.mixers.base.Mixer``): ``n`` streams, and how the final
-  state collapses to one vector (``sum`` or ``learned`` weights)."""
+  """What every mixer takes: ``n`` streams, and how the final state collapses to one vector."""
 
   model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
@@ -41,8 +27,7 @@ class ResidualOptions(MixerOptions):
 
 
 class _StreamOptions(MixerOptions):
-  """The hyper-connection family: ``n`` streams read and written through learned weights,
-  dynamic (input-dependent) when ``dynamic``, the dynamic part scaled by ``alpha_init``."""
+  """The hyper-connection family: ``n`` streams, input-dependent weights when ``dynamic``."""
 
   n: int = Field(4, ge=1)
   dynamic: bool = True
