@@ -6,7 +6,7 @@ one process: forward + backward median time of
   against heads before time ``[B, H, T, D]`` (batch axes lead), and the model's
   ``causal_attention`` (heads before time, queries in chunks that skip the masked keys);
 - the stream mix ``x' = H_res x + H_postᵀ F`` with per-token coefficients: autodiff of the
-  einsum form, autodiff of the written-out sum, and ``mixers.base.mix`` (hand-written VJP);
+  einsum form, autodiff of the written-out sum, and ``mixers.cpu_mix.mix`` (hand-written VJP, the CPU kernel);
   and its forward reading its inputs out of ``[L, ...]`` stacks at a traced layer index (as
   ``nn.scan``'s backward reads the saved values of each layer) against plain arrays.
 
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from timing import median_time
 
-from mhc_jax.mixers.base import mix, stream_sum
+from mhc_jax.mixers.cpu_mix import mix, stream_sum
 from mhc_jax.model.layers import causal_attention, query_chunk
 
 

@@ -222,9 +222,9 @@ def test_registry_errors():
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 9])
 @pytest.mark.parametrize("per_token", [True, False])
 def test_mix_and_read_match_einsum(n, per_token):
-  """The written-out stream sums and their hand-written gradients equal the einsum definitions
-  and their autodiff (to float32 rounding), for per-token and static coefficients."""
-  from mhc_jax.mixers.base import mix, read
+  """The CPU kernel (written-out stream sums, hand-written gradients) equals the einsum
+  definitions and their autodiff (to float32 rounding), for per-token and static coefficients."""
+  from mhc_jax.mixers.cpu_mix import mix, read
 
   k = jax.random.split(jax.random.PRNGKey(3), 6)
   x = jax.random.normal(k[0], (2, 3, n, 8))
@@ -259,3 +259,48 @@ def test_mix_and_read_match_einsum(n, per_token):
   ):
     assert got.shape == want.shape
     close(got, want)
+
+
+def test_mix_kernel_switch(monkeypatch):
+  """``MIX_KERNEL`` is the one switch between the plain einsums and the CPU kernel: "einsum"
+  traces the einsums' dots, "cpu" the written-out sums (no dot for n = 4), "auto" picks the
+  kernel on this (CPU) backend, and a bad value is an error naming the switch."""
+  from mhc_jax.mixers import base
+
+  x, f = jnp.ones((2, 3, 4, 8)), jnp.ones((2, 3, 8))
+  h, p = jnp.eye(4), jnp.ones((4,))
+
+  def traced(kind):
+    monkeypatch.setattr(base, "MIX_KERNEL", kind)
+    # fresh callables: jax caches traces by function, not by the switch's value
+    mix_jaxpr = jax.make_jaxpr(lambda *a: base.mix(*a))(x, f, h, p)
+    return str(mix_jaxpr) + str(jax.make_jaxpr(lambda *a: base.read(*a))(x, p))
+
+  assert "dot_general" in traced("einsum")
+  assert "dot_general" not in traced("cpu")
+  assert "dot_general" not in traced("auto")
+  with pytest.raises(ValueError, match="MIX_KERNEL"):
+    traced("fast")
+
+
+@pytest.mark.parametrize("mixer", ["hc", "mhc", "mhc_identity"])
+def test_model_same_under_both_mix_kernels(monkeypatch, mixer):
+  """A whole model's loss and gradients are the same (to float32 rounding) whether its streams
+  are mixed by the einsums or by the CPU kernel."""
+  from mhc_jax.mixers import base
+  from mhc_jax.model import Transformer
+  from mhc_jax.train.config import ModelConfig
+
+  model = Transformer(ModelConfig(vocab=32, width=16, depth=2, heads=2, mixer=mixer))
+  tok = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 32)
+  params = model.init(jax.random.PRNGKey(1), tok)["params"]
+
+  def loss(p):
+    logits = model.apply({"params": p}, tok)[0]
+    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+  out = {}
+  for kind in ("einsum", "cpu"):
+    monkeypatch.setattr(base, "MIX_KERNEL", kind)
+    out[kind] = jax.value_and_grad(loss)(params)
+  chex.assert_trees_all_close(out["einsum"], out["cpu"], rtol=1e-5, atol=1e-6)

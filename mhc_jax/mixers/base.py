@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mhc_jax.mixers import cpu_mix
+
 Sublayer = Callable[[jax.Array], jax.Array]
 STAT_KEYS = (
   "h_res",
@@ -115,91 +117,35 @@ def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> d
   }
 
 
-UNROLL_STREAMS = 8  # up to this many streams, stream sums are written out (see stream_sum)
+#: How ``mix`` and ``read`` are computed: ``"einsum"`` (the definitions below), ``"cpu"`` (the
+#: hand-written CPU kernel of ``mixers/cpu_mix.py``, 2-3x faster there), or ``"auto"``: the CPU
+#: kernel on a CPU backend, the einsums elsewhere. The one switch (set it before anything is
+#: traced: jax caches traces); tests/test_mixers.py holds the two forms equal.
+MIX_KERNEL = "auto"
 
 
-def stream_sum(w, x):
-  """``Σ_j w[..., j] x[..., j, :]``: ``w [..., n]`` (may lack the token axes), ``x [..., n, C]``.
-
-  For small ``n`` the sum is written out term by term, which XLA fuses into one elementwise
-  pass; as an einsum it becomes a batched dot with one tiny matrix per token (or a dot whose
-  contraction is ``n``), which the CPU runs about 2x slower.
-  """
-  n = x.shape[-2]
-  if n > UNROLL_STREAMS:
-    return jnp.einsum("...j,...jc->...c", w, x)
-  out = w[..., 0, None] * x[..., 0, :]
-  for j in range(1, n):
-    out = out + w[..., j, None] * x[..., j, :]
-  return out
-
-
-def _unbroadcast(d, shape):
-  """Sum the cotangent ``d`` down to ``shape`` (the leading axes a coefficient broadcast over)."""
-  extra = d.ndim - len(shape)
-  d = d.sum(axis=tuple(range(extra))) if extra else d
-  keep = tuple(i for i, s in enumerate(shape) if s == 1 and d.shape[i] != 1)
-  return d.sum(axis=keep, keepdims=True) if keep else d
-
-
-# The stream mixing and reading are written with their gradients by hand: autodiff of the
-# written-out sums gave XLA one reduction per (i, j) pair, and of the einsums tiny batched dots;
-# both ran 2-3x slower on the CPU than these (benchmarks/layer_bench.py). Same numbers to float32
-# rounding (tests/test_mixers.py checks the gradients against autodiff of the einsums).
-@jax.custom_vjp
-def _mix32(x, f, h, hp):
-  return stream_sum(h, x[..., None, :, :]) + hp[..., :, None] * f[..., None, :]
-
-
-def _mix32_fwd(x, f, h, hp):
-  return _mix32(x, f, h, hp), (x, f, h, hp)
-
-
-def _mix32_bwd(res, g):
-  x, f, h, hp = res
-  dx = stream_sum(jnp.swapaxes(h, -1, -2), g[..., None, :, :])  # Hᵀ g
-  dh = jnp.einsum("...ic,...jc->...ij", g, x)
-  dhp = jnp.einsum("...ic,...c->...i", g, f)
-  df = stream_sum(hp, g)
-  return (
-    _unbroadcast(dx, x.shape),
-    _unbroadcast(df, f.shape),
-    _unbroadcast(dh, h.shape),
-    _unbroadcast(dhp, hp.shape),
-  )
-
-
-_mix32.defvjp(_mix32_fwd, _mix32_bwd)
-
-
-@jax.custom_vjp
-def _read32(x, hp):
-  return stream_sum(hp, x)
-
-
-def _read32_fwd(x, hp):
-  return _read32(x, hp), (x, hp)
-
-
-def _read32_bwd(res, g):
-  x, hp = res
-  dx = hp[..., :, None] * g[..., None, :]
-  dhp = jnp.einsum("...ic,...c->...i", x, g)
-  return _unbroadcast(dx, x.shape), _unbroadcast(dhp, hp.shape)
-
-
-_read32.defvjp(_read32_fwd, _read32_bwd)
+def _cpu_kernel() -> bool:
+  if MIX_KERNEL not in ("auto", "einsum", "cpu"):
+    raise ValueError(f"MIX_KERNEL: expected auto, einsum or cpu, got {MIX_KERNEL!r}")
+  return MIX_KERNEL == "cpu" or (MIX_KERNEL == "auto" and jax.default_backend() == "cpu")
 
 
 def mix(x_BTnC, f_BTC, h_res, h_post):
-  """``x' = H_res x + H_postᵀ F``; ``h_res [..., n, n]`` and ``h_post [..., n]`` may be per token."""
-  f32 = lambda a: a.astype(jnp.float32)
-  return _mix32(f32(x_BTnC), f32(f_BTC), f32(h_res), f32(h_post)).astype(x_BTnC.dtype)
+  """``x' = H_res x + H_postᵀ F`` in float32; ``h_res [..., n, n]`` and ``h_post [..., n]`` may
+  carry the token axes (per-token coefficients)."""
+  x, f, h, p = (a.astype(jnp.float32) for a in (x_BTnC, f_BTC, h_res, h_post))
+  if _cpu_kernel():
+    out = cpu_mix.mix(x, f, h, p)
+  else:
+    out = jnp.einsum("...ij,...jc->...ic", h, x) + p[..., :, None] * f[..., None, :]
+  return out.astype(x_BTnC.dtype)
 
 
 def read(x_BTnC, h_pre):
   """The sublayer input ``H_pre x``: a weighted sum of the streams, ``h_pre [..., n]``."""
-  return _read32(x_BTnC.astype(jnp.float32), h_pre.astype(jnp.float32)).astype(x_BTnC.dtype)
+  x, p = x_BTnC.astype(jnp.float32), h_pre.astype(jnp.float32)
+  out = cpu_mix.read(x, p) if _cpu_kernel() else jnp.einsum("...i,...ic->...c", p, x)
+  return out.astype(x_BTnC.dtype)
 
 
 class Mixer(nn.Module):
