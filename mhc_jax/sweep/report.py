@@ -590,25 +590,21 @@ def _divergence(d, order, ctx) -> str | None:
 
 
 def _learning(d, order, ctx) -> str | None:
-  if "kl_bits" not in d.columns:
-    return None
   r = FINDING_RULES
-  for key, g in _groups(d, ctx):
+  for key, g in _groups(d, ctx) if "kl_bits" in d.columns else []:
     kl = {m: _num(gm["kl_bits"]) for m, gm in g.groupby("mixer")}
     mean = {m: float(np.mean(v)) for m, v in kl.items() if v.size and np.isfinite(v).all()}
-    if len(mean) < 2:
-      continue
-    worst, best = max(mean.values()), min(mean.values())
-    if best > r["learned_ratio"] * worst or worst - best < r["learned_gap_bits"]:
+    worst, best = max(mean.values(), default=0), min(mean.values(), default=0)
+    if len(mean) < 2 or best > r["learned_ratio"] * worst or worst - best < r["learned_gap_bits"]:
       continue
     bar = min(r["learned_ratio"] * worst, worst - r["learned_gap_bits"])
     ranked = sorted((m for m in order if m in mean), key=lambda m: mean[m])
     n_ok = {m: int((kl[m] <= bar).sum()) for m in ranked}
+    bits = lambda ms: _join([_g(mean[m]) for m in ms])  # noqa: E731
     if max(len(kl[m]) for m in ranked) == 1:  # one run each: learned or not
       good = [m for m in ranked if n_ok[m]]
       poor = [m for m in ranked if not n_ok[m] and mean[m] >= 0.75 * worst]
       mid = [m for m in ranked if m not in good and m not in poor]
-      bits = lambda ms: _join([_g(mean[m]) for m in ms])  # noqa: E731
       text = (
         f"{_head(ctx, key)}{_join(good)} learned the task (KL {bits(good)} bits to the exact "
         f"posterior) while {_join(poor)} did not ({bits(poor)} bits)"
@@ -631,32 +627,39 @@ def _growth(d, order, ctx) -> str | None:
   return None
 
 
-def _growth_in(d: pd.DataFrame, order: list[str]) -> str | None:
-  """The growth rule within one group: geometric means over seeds per mixer and depth."""
-  r, best = FINDING_RULES["growth_ratio"], None
-  for kind, suffix in (("per-token", "_tok_mean_max"), ("token-averaged", "_max")):
-    for short, direction in (("fwd", "forward"), ("bwd", "backward")):
-      col = f"amax_{short}_composite{suffix}"
-      if col not in d.columns:
-        continue
-      v = d.assign(_v=_num(d[col])).groupby(["mixer", "_depth"])["_v"]
-      tab = v.apply(lambda x: stats.mean_ci(x, log=True)[0]).unstack()
-      tab = tab[[c for c in tab.columns if np.isfinite(c)]]
-      if tab.shape[1] < 2:
-        continue
-      lo, hi = min(tab.columns), max(tab.columns)
-      ok = tab[np.isfinite(tab[lo]) & np.isfinite(tab[hi]) & (tab[lo] > 0)]
-      ratio = ok[hi] / ok[lo]
-      if len(ok) < 2 or ratio.max() < r or ok.loc[ratio.idxmax(), hi] < r:
-        continue
-      if best is None or ratio.max() > best[-1].max():
-        best = (kind, direction, ok, lo, hi, ratio)
-    if best is not None:
-      break  # the per-token measure where it shows the growth
-  if best is None:
+def _grown(d: pd.DataFrame, col: str) -> tuple | None:
+  """(ratio, table of geometric means over seeds [mixer x depth], shallowest, deepest, ratios)
+  of ``col`` where some mixer's grew by the growth ratio; None where none did."""
+  v = d.assign(_v=_num(d[col])).groupby(["mixer", "_depth"])["_v"]
+  tab = v.apply(lambda x: stats.mean_ci(x, log=True)[0]).unstack()
+  tab = tab[[c for c in tab.columns if np.isfinite(c)]]
+  if tab.shape[1] < 2:
     return None
-  kind, direction, ok, lo, hi, ratio = best
-  top = ratio.idxmax()
+  lo, hi = min(tab.columns), max(tab.columns)
+  ok = tab[np.isfinite(tab[lo]) & np.isfinite(tab[hi]) & (tab[lo] > 0)]
+  ratio = ok[hi] / ok[lo]
+  r = FINDING_RULES["growth_ratio"]
+  if len(ok) < 2 or ratio.max() < r or ok.loc[ratio.idxmax(), hi] < r:
+    return None
+  return ratio.max(), ok, lo, hi, ratio
+
+
+def _growth_in(d: pd.DataFrame, order: list[str]) -> str | None:
+  """The growth rule within one group: geometric means over seeds per mixer and depth; the
+  per-token measure where it shows the growth, forward or backward, whichever grew more."""
+  for kind, suffix in (("per-token", "_tok_mean_max"), ("token-averaged", "_max")):
+    found = [
+      (*g, direction)
+      for short, direction in (("fwd", "forward"), ("bwd", "backward"))
+      if f"amax_{short}_composite{suffix}" in d.columns
+      and (g := _grown(d, f"amax_{short}_composite{suffix}"))
+    ]
+    if found:
+      break
+  else:
+    return None
+  _, ok, lo, hi, ratio, direction = max(found, key=lambda f: f[0])
+  top, r = ratio.idxmax(), FINDING_RULES["growth_ratio"]
   rest = [m for m in order if m in ok.index and m != top and ratio[m] * r <= ratio[top]]
   if not rest:
     return None
@@ -665,9 +668,8 @@ def _growth_in(d: pd.DataFrame, order: list[str]) -> str | None:
     f"{_g(lo)} to {_g(ok.loc[top, hi])} at depth {_g(hi)}"
   )
   vals = {m: ok.loc[m][np.isfinite(ok.loc[m]) & (ok.loc[m] > 0)] for m in rest}
-  flat = [
-    m for m in rest if len(vals[m]) and vals[m].max() <= FINDING_RULES["flat_ratio"] * vals[m].min()
-  ]
+  flat_r = FINDING_RULES["flat_ratio"]
+  flat = [m for m in rest if len(vals[m]) and vals[m].max() <= flat_r * vals[m].min()]
   if flat:
     band = _band(min(vals[m].min() for m in flat), max(vals[m].max() for m in flat))
     names = _join([f"{m}'s" for m in flat])
@@ -689,12 +691,8 @@ def _spikes(d, order, ctx) -> str | None:
   most, none = max(order, key=lambda m: tot[m][0]), [m for m in order if tot[m][0] == 0]
   if tot[most][0] < 2 or not none:
     return None
-  n, k = tot[most]
-  return f"{most} had {n} loss/gradient spikes in its {_runs(k)} while {_join(none)} had none"
-
-
-def _runs(n: int) -> str:
-  return f"{n} run{'s' if n != 1 else ''}"
+  (n, k), runs = tot[most], "run" if tot[most][1] == 1 else "runs"
+  return f"{most} had {n} loss/gradient spikes in its {k} {runs} while {_join(none)} had none"
 
 
 def _endpoint(d: pd.DataFrame) -> tuple[str, str]:
@@ -709,14 +707,14 @@ def _loss(df, d, ctx) -> str | None:
   col, what = _endpoint(d)
   unit = "seed" if "seed" in d.columns else "run"
   seeded = "seed" in d.columns and d["seed"].nunique() > 1
-  paired = paired_table(df) if seeded else pd.DataFrame(columns=["mixer_a", "mixer_b", "metric"])
-  paired = paired[paired["metric"] == col]
+  pairs = {}  # (context keys, {mixer_a, mixer_b}) -> the first paired row of ``col``
+  for _, p in paired_table(df).iterrows() if seeded else []:
+    if p["metric"] == col:
+      pairs.setdefault((*map(stats._key, p[ctx]), frozenset(p[["mixer_a", "mixer_b"]])), p)
 
   def row_for(key, a, b):
-    sel = paired[paired["mixer_a"].isin([a, b]) & paired["mixer_b"].isin([a, b])]
-    for c, v in zip(ctx, key) if len(sel) else []:
-      sel = sel[sel[c].map(stats._key) == stats._key(v)]
-    return sel.iloc[0] if len(sel) and sel["n_pairs"].iloc[0] > 1 else None
+    p = pairs.get((*map(stats._key, key), frozenset((a, b))))
+    return p if p is not None and p["n_pairs"] > 1 else None
 
   for key, g in _groups(d, ctx):
     vals = {m: _num(gm[col]) for m, gm in g.groupby("mixer")}
@@ -773,7 +771,8 @@ def _no_difference(d) -> str:
     n = int(np.nansum(_num(d["spike_count"])))
     parts.append("no spikes" if n == 0 else f"{n} spikes in all")
   said = ", ".join(parts) if parts else "no comparable numbers"
-  return f"The mixers did not differ clearly over {_runs(len(d))}: {said}"
+  n = len(d)
+  return f"The mixers did not differ clearly over {n} run{'s' if n != 1 else ''}: {said}"
 
 
 # =========================================================================== writing
