@@ -1,57 +1,10 @@
 """Bayesian wind tunnels: tasks generated on the fly whose exact posterior is known.
 
 Every sequence is a fresh problem drawn from a PRNG key (a new permutation, a new HMM), so a model
-cannot memorise answers; it has to infer them in context. `sample(key, batch_size)` is a pure,
-jittable function; `batch(step, batch_size, split)` derives the key from `(seed, split, step)`, so
-batch `step` is reproducible without any iterator state (that is how checkpoints resume data).
-
-A batch is a dict (see docs/interfaces.md):
-
-- `inputs [B,T] int32`, `targets [B,T] int32`: next-token views of one sequence of T+1 tokens
-  (`inputs = tokens[:-1]`, `targets = tokens[1:]`), except that HMM filtering (`predict="state"`)
-  puts the true hidden state's label in `targets` at the supervised positions.
-- `mask [B,T] float32`: 1 at supervised positions.
-- `posterior [B,T,V] float32`: exact posterior over the whole vocabulary for `targets[t]` given
-  `inputs[..t]`; zeros outside the answer range and at unsupervised positions.
-- `entropy [B,T] float32`: entropy of `posterior` in bits (0 where `mask` is 0).
-- `evidence [B,T] int32`: how much evidence has been seen at a supervised position (task-specific,
-  below; 0 at unsupervised positions); the fidelity metrics can be reported as curves over it.
-- HMM only: `state_posterior [B,T,S] float32`, the filtered posterior `p(s_t | o_1..t)` after the
-  observation at that position (uniform initial distribution at the separator), in both modes.
-
-Every task also has `baselines(inputs) -> {name: [B,T,V] float64}`: exact reference guesses on
-the same positions (numpy), whose KL to the posterior tells how much of a model's score needs
-in-context inference at all (HMM: uniform, header-only, header-blind, last-observation).
-
-Bijection layout (V = n_symbols): keys are tokens `0..V-1`, values `V..2V-1`, then BOS = 2V,
-PAD = 2V+1. Sequence `BOS k1 v1 k2 v2 ... PAD...`; the supervised positions are the keys (the model
-sees `k_i` and predicts `v_i = V + π(k_i)`). The posterior is a point mass if `k_i` appeared
-before, else uniform over the V - m values not yet revealed, m = number of distinct keys revealed
-so far (= `evidence`).
-
-HMM layout (S states, K symbols, Q levels): observation tokens `0..K-1`, level tokens `K..K+Q-1`
-(level `l` in 1..Q is token `K + l - 1`), then BOS, SEP, PAD, and (`predict="state"`, the default)
-S state-label tokens `K+Q+3 .. K+Q+3+S-1` (state `s` is token `state_offset + s`; they never occur
-in `inputs`, only as answers). Sequence `BOS T_11..T_SS E_11..E_SK SEP o_1 ... o_L PAD...`: the
-header writes the transition matrix T and the emission matrix E row-major as levels; the HMM
-actually used is `T_ij = l_ij / sum_j l_ij` (likewise E), with levels `clip(round(Q p), 1, Q)` of
-Dirichlet(alpha) rows (T's rows mixed with the identity first when `stickiness` > 0), and a
-uniform initial state distribution. What is supervised depends on `predict`:
-
-- `"state"` (default; the wind-tunnel papers' target): **filtering**. Supervised positions are the
-  observations o_1..o_L; at the input position holding o_t the posterior is the filtered
-  posterior over hidden states `p(s_t | header, o_1..t)` (forward algorithm in log space), put on
-  the S state-label tokens, and `evidence` = t. The model is read as an S-way output: its
-  softmax over the whole vocabulary, where every token other than the state labels has posterior
-  mass 0 (so any mass the model puts off the labels counts against it in the KL). `targets` there
-  hold the label of the true hidden state s_t, a sample from exactly that posterior (the model
-  sees only o_1..o_t), which is what `data.target: sample` trains on; elsewhere `targets` are the
-  next tokens, unsupervised.
-- `"observation"`: the next-observation predictive. Supervised positions are SEP and each
-  observation except the last, with target the next observation; the posterior there is
-  `p(o_{t+1} | header, o_1..t)` over the K observation tokens, and `evidence` = t. This target
-  barely needs filtering: for 5 states, 5 symbols and Q = 10 the header-only guess comes within
-  0.002 bits of it (see `HMMTask.baselines`).
+has to infer the answers in context. ``sample(key, batch_size)`` is pure and jittable;
+``batch(step, batch_size, split)`` derives the key from ``(seed, split, step)``, so batch ``step``
+is reproducible without iterator state (how checkpoints resume data). The batch's fields, the
+token layouts, the posteriors and the baselines: docs/windtunnel.md.
 """
 
 from __future__ import annotations
@@ -463,23 +416,9 @@ class HMMTask(WindTunnel):
   BASELINES = ("uniform", "header_only", "header_blind", "last_obs")
 
   def baselines(self, inputs) -> dict[str, np.ndarray]:
-    """Exact reference guesses at the supervised positions of `inputs [B,T]` (numpy float64,
-    `[B,T,V]`, zero rows elsewhere), each from a restricted view of the sequence:
-
-    - `uniform`: uniform over the answer tokens (S state labels, or K symbols).
-    - `header_only`: reads the header, ignores every observation: the prior marginal
-      `p(s_t | header) = pi0 T^(t-1)` (prediction: `pi0 T^t E`). With Dirichlet(1) rows and
-      `predict="observation"` this is within ~0.002 bits of the exact target, which is why
-      prediction does not test filtering.
-    - `header_blind`: ignores the header, reads the observations. Filtering: the uniform guess,
-      which is the best any header-blind guess can do in expectation, because the prior over
-      HMMs is symmetric in the state labels (only the header ties a label to a state).
-      Prediction: add-one (Laplace) counts of o_1..o_t.
-    - `last_obs`: reads the header and only the latest observation:
-      `p(s_t | header, o_t) ∝ p(s_t | header) E[s_t, o_t]` (prediction: that, moved one step
-      by T and emitted by E; the prior predictive at SEP). Whatever a model gains over this
-      needs the history, i.e. filtering proper.
-    """
+    """Exact reference guesses at the supervised positions of ``inputs [B,T]`` (numpy float64,
+    ``[B,T,V]``, zero rows elsewhere), each from a restricted view of the sequence: ``uniform``,
+    ``header_only``, ``header_blind``, ``last_obs`` (docs/windtunnel.md, "The HMM baselines")."""
     inputs = np.asarray(inputs)
     B, T = inputs.shape
     S, K, L, h = self.n_states, self.n_symbols, self.length, self.header_len
