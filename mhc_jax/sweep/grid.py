@@ -21,37 +21,12 @@ from mhc_jax.train.config import (
   check_paths,
   from_dict,
   parse_override,
+  read_yaml,
   to_dict,
-  yaml_load,
 )
 
-__all__ = [
-  "Run",
-  "Sweep",
-  "SWEEP_KEYS",
-  "load_sweep",
-  "expand",
-  "run_names",
-  "prepare_runs",
-  "population_groups",
-  "dry_run_table",
-  "train_flops",
-  "param_counts",
-]
-
-SWEEP_KEYS = (
-  "name",
-  "base",
-  "set",
-  "axes",
-  "population",
-  "seeds",
-  "description",
-  "parallel",
-  "executor",
-  "eval",
-  "variants",
-)
+SWEEP_KEYS = ("name", "base", "set", "axes", "population", "seeds", "description", "parallel")
+SWEEP_KEYS += ("executor", "eval", "variants")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
 
@@ -69,11 +44,11 @@ class Sweep:
   path: Path | None  # the sweep file
   base_path: Path | None  # the resolved base config file
   set: dict  # dotted overrides for every run (file `set`, then --set)
-  axes: dict  # dotted key -> list of values
+  axes: dict  # dotted key -> list of values (or {variant name: overrides})
   population: tuple  # population axes (subset of axes and of population.POPULATION_KEYS)
   base_config: dict  # base + set, validated, as a nested dict
   runs: list  # [Run]
-  options: dict = dataclasses.field(default_factory=dict)  # parallel / executor (how to run)
+  options: dict = dataclasses.field(default_factory=dict)  # parallel / executor / eval
   variant: str | None = None  # the file's variant this sweep is (None: the file has none)
 
   def run(self, name: str) -> Run:
@@ -88,14 +63,8 @@ def _flatten_set(value: Any, key: str = "set") -> dict:
   """`set` as {dotted key: value}: a mapping (nested ones flattened) or KEY=VALUE strings."""
   if value is None:
     return {}
-  if isinstance(value, str):
-    value = [value]
-  if isinstance(value, (list, tuple)):
-    out = {}
-    for item in value:
-      k, v = parse_override(item)
-      out[k] = v
-    return out
+  if isinstance(value, (str, list, tuple)):
+    return dict(parse_override(v) for v in ([value] if isinstance(value, str) else value))
   if not isinstance(value, Mapping):
     raise ConfigError(f"{key}: expected a mapping of dotted keys to values, got {value!r}")
   out = {}
@@ -103,49 +72,10 @@ def _flatten_set(value: Any, key: str = "set") -> dict:
     if not isinstance(k, str) or not k:
       raise ConfigError(f"{key}: keys must be dotted config keys, got {k!r}")
     if isinstance(v, Mapping) and v:
-      for kk, vv in _flatten_set(v, f"{key}.{k}").items():
-        out[f"{k}.{kk}"] = vv
+      out.update({f"{k}.{kk}": vv for kk, vv in _flatten_set(v, f"{key}.{k}").items()})
     else:
       out[k] = v
   return out
-
-
-def _resolve_base(base: Any, sweep_path: Path | None) -> Path:
-  if not isinstance(base, str) or not base:
-    raise ConfigError(f"base: expected a path to a config YAML, got {base!r}")
-  p = Path(base).expanduser()
-  if p.is_absolute():
-    cands = [p]
-  else:
-    cands = ([sweep_path.parent / p] if sweep_path else []) + [Path.cwd() / p, _REPO_ROOT / p]
-  for c in cands:
-    if c.is_file():
-      return c
-  raise ConfigError(
-    f"base: {base} not found (looked in: {', '.join(str(c.parent) for c in cands)})"
-  )
-
-
-def _read_base(path: Path) -> dict:
-  try:
-    d = yaml_load(path.read_text(encoding="utf-8"))
-  except Exception as e:  # noqa: BLE001 - any YAML/IO problem is bad input
-    raise ConfigError(f"base: cannot read {path}: {e}") from None
-  if d is None:
-    return {}
-  if not isinstance(d, dict):
-    raise ConfigError(f"base: {path} must hold a mapping of config sections")
-  return d
-
-
-def _err_key(e: ConfigError) -> str:
-  return str(e).split(":", 1)[0].strip()
-
-
-def _validate(d: Mapping) -> Config:
-  cfg = from_dict(d)
-  check_paths(cfg)
-  return cfg
 
 
 def _with_variant(data: Mapping, variant: str | None, name: str) -> tuple[dict, str | None]:
@@ -158,7 +88,8 @@ def _with_variant(data: Mapping, variant: str | None, name: str) -> tuple[dict, 
     return dict(data), None
   if not isinstance(variants, Mapping) or not variants:
     raise ConfigError(f"variants: expected a mapping of names to sweep keys, got {variants!r}")
-  variant = next(iter(variants)) if variant is None else variant
+  first = next(iter(variants))
+  variant = first if variant is None else variant
   if variant not in variants:
     raise ConfigError(
       f"variant {variant!r}: not a variant of this sweep file (its variants: "
@@ -176,9 +107,73 @@ def _with_variant(data: Mapping, variant: str | None, name: str) -> tuple[dict, 
     elif k == "axes" and isinstance(out.get("axes"), Mapping) and isinstance(v, Mapping):
       v = {**out["axes"], **v}
     out[k] = v
-  if variant != next(iter(variants)) and "name" not in changes:
+  if variant != first and "name" not in changes:
     out["name"] = f"{data.get('name', name)}_{variant}"
   return out, variant
+
+
+def _resolve_base(base: Any, sweep_path: Path | None) -> Path:
+  if not isinstance(base, str) or not base:
+    raise ConfigError(f"base: expected a path to a config YAML, got {base!r}")
+  p = Path(base).expanduser()
+  near = [sweep_path.parent / p] if sweep_path else []
+  cands = [p] if p.is_absolute() else [*near, Path.cwd() / p, _REPO_ROOT / p]
+  for c in cands:
+    if c.is_file():
+      return c
+  looked = ", ".join(str(c.parent) for c in cands)
+  raise ConfigError(f"base: {base} not found (looked in: {looked})")
+
+
+def _axes(data: Mapping) -> dict:
+  """The file's ``axes``, checked; named variants as {name: {dotted key: value}}."""
+  axes = data.get("axes") or {}
+  if not isinstance(axes, Mapping):
+    raise ConfigError(f"axes: expected a mapping of dotted keys to lists of values, got {axes!r}")
+  out, setter = {}, {}  # setter: dotted key -> the variant axis that sets it
+  for k, vals in axes.items():
+    if not isinstance(k, str) or not all(k.split(".")):
+      raise ConfigError(f"axes: malformed dotted key {k!r}")
+    if not isinstance(vals, Mapping):
+      if not isinstance(vals, list) or not vals:
+        raise ConfigError(f"axes.{k}: expected a non-empty list of values, got {vals!r}")
+      if len({json.dumps(v, sort_keys=True) for v in vals}) != len(vals):
+        raise ConfigError(f"axes.{k}: repeated values in {vals!r}")
+      out[k] = vals
+      continue
+    if not vals or "." in k:
+      raise ConfigError(f"axes.{k}: named variants need a plain label and at least one variant")
+    out[k] = {}
+    for a, ov in vals.items():
+      if not isinstance(a, str) or not a or _UNSAFE.search(a):
+        raise ConfigError(f"axes.{k}: variant names must be file-name-safe strings, got {a!r}")
+      if not isinstance(ov, Mapping) or not ov:
+        raise ConfigError(f"axes.{k}.{a}: expected a mapping of dotted overrides, got {ov!r}")
+      out[k][a] = _flatten_set(ov, f"axes.{k}.{a}")
+      for key in out[k][a]:
+        if key in axes or setter.setdefault(key, k) != k:
+          raise ConfigError(f"axes.{k}.{a}: sets {key}, which another axis sets too")
+  return out
+
+
+def _seed_values(value: Any, first: int) -> list:
+  """The ``seeds`` setting as a list of seeds: N -> first .. first + N - 1, or a list as given."""
+  if isinstance(value, int) and not isinstance(value, bool):
+    if value < 1:
+      raise ConfigError(f"seeds: expected a positive number of seeds, got {value}")
+    return [first + i for i in range(value)]
+  if isinstance(value, list) and value and all(_count(v, 0) for v in value):
+    if len(set(value)) != len(value):
+      raise ConfigError(f"seeds: repeated seeds in {value!r}")
+    return value
+  raise ConfigError(
+    f"seeds: expected a number of seeds or a list of distinct non-negative integer "
+    f"seeds, got {value!r}"
+  )
+
+
+def _count(v: Any, least: int = 1) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
 def load_sweep(
@@ -188,19 +183,12 @@ def load_sweep(
   data: Mapping | None = None,
   variant: str | None = None,
 ) -> Sweep:
-  """Read, expand and validate a sweep (from `path`, or from the mapping `data`).
-
-  `cli_set` (``--set`` strings) is applied after the file's ``set``. `variant` picks one of
-  the file's ``variants`` (default: the first). Raises ConfigError.
-  """
+  """Read, expand and validate a sweep (from `path`, or from the mapping `data`): `cli_set`
+  (``--set`` strings) applies after the file's ``set``, `variant` picks one of the file's
+  ``variants`` (default: the first). Raises ConfigError."""
   sweep_path = Path(path).resolve() if path is not None else None
   if data is None:
-    if sweep_path is None or not sweep_path.is_file():
-      raise ConfigError(f"sweep file {path}: not found")
-    try:
-      data = yaml_load(sweep_path.read_text(encoding="utf-8"))
-    except Exception as e:  # noqa: BLE001
-      raise ConfigError(f"sweep file {path}: invalid YAML: {e}") from None
+    data = read_yaml(sweep_path or "-", f"sweep file {path}")
   if not isinstance(data, Mapping):
     raise ConfigError(f"sweep file {path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
   for k in data:
@@ -213,45 +201,14 @@ def load_sweep(
     raise ConfigError(f"name: expected a file-name-safe string, got {name!r}")
 
   base_path = _resolve_base(data["base"], sweep_path) if data.get("base") is not None else None
-  base = _read_base(base_path) if base_path else {}
-  base = apply_overrides(base, {"name": name})
-  overrides = _flatten_set(data.get("set"))
-  for k, v in _flatten_set(list(cli_set), "--set").items():
-    overrides[k] = v
-  base_cfg_dict = apply_overrides(base, overrides)
-  base_config = to_dict(_validate_with(base, overrides, "set", "", f"base {base_path}"))
+  base = {**(read_yaml(base_path, f"base {base_path}") if base_path else {}), "name": name}
+  overrides = {**_flatten_set(data.get("set")), **_flatten_set(list(cli_set), "--set")}
+  base_config = to_dict(_validated(base, overrides, "set", "", f"base {base_path}"))
+  base = apply_overrides(base, overrides)
 
-  axes = data.get("axes") or {}
-  if not isinstance(axes, Mapping):
-    raise ConfigError(f"axes: expected a mapping of dotted keys to lists of values, got {axes!r}")
-  axes = dict(axes)
-  for k, vals in axes.items():
-    if not isinstance(k, str) or not k or any(not p for p in k.split(".")):
-      raise ConfigError(f"axes: malformed dotted key {k!r}")
-    if isinstance(vals, Mapping):  # named variants
-      if not vals or "." in k:
-        raise ConfigError(f"axes.{k}: named variants need a plain label and at least one variant")
-      for a, ov in vals.items():
-        if not isinstance(a, str) or not a or _UNSAFE.search(a):
-          raise ConfigError(f"axes.{k}: variant names must be file-name-safe strings, got {a!r}")
-        if not isinstance(ov, Mapping) or not ov:
-          raise ConfigError(f"axes.{k}.{a}: expected a mapping of dotted overrides, got {ov!r}")
-      axes[k] = {a: _flatten_set(ov, f"axes.{k}.{a}") for a, ov in vals.items()}
-      continue
-    if not isinstance(vals, list) or not vals:
-      raise ConfigError(f"axes.{k}: expected a non-empty list of values, got {vals!r}")
-    if len({json.dumps(v, sort_keys=True) for v in vals}) != len(vals):
-      raise ConfigError(f"axes.{k}: repeated values in {vals!r}")
-  variant_keys = {}  # dotted key -> the variant axis that sets it
-  for k, vals in axes.items():
-    for a, ov in vals.items() if isinstance(vals, Mapping) else ():
-      for key in ov:
-        if key in axes or variant_keys.get(key, k) != k:
-          raise ConfigError(f"axes.{k}.{a}: sets {key}, which another axis sets too")
-        variant_keys[key] = k
+  axes = _axes(data)
   pop = data.get("population") or []
-  if isinstance(pop, str):
-    pop = [pop]
+  pop = [pop] if isinstance(pop, str) else pop
   if not isinstance(pop, list):
     raise ConfigError(f"population: expected a list of axis keys, got {pop!r}")
   if data.get("seeds") is not None:
@@ -270,13 +227,12 @@ def load_sweep(
     if k not in axes:
       raise ConfigError(f"population.{k}: not an axis of this sweep (axes: {', '.join(axes)})")
 
-  runs = [Run(n, ov, _validate_run(base_cfg_dict, ov, n)) for n, ov in expand(axes)]
-  options = {k: data[k] for k in ("parallel", "executor") if data.get(k) is not None}
-  if data.get("eval") is not None:  # mhc_jax.sweep.posteval: probes after each finished run
-    n = data["eval"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-      raise ConfigError(f"eval: expected a positive number of validation batches, got {n!r}")
-    options["eval"] = n
+  runs = [Run(n, ov, _validated(base, ov, "axes", f" (run {n})")) for n, ov in expand(axes)]
+  options = {k: data[k] for k in ("parallel", "executor", "eval") if data.get(k) is not None}
+  if "eval" in options and not _count(options["eval"]):  # sweep.posteval after each run
+    raise ConfigError(
+      f"eval: expected a positive number of validation batches, got {options['eval']!r}"
+    )
   if set(options) & {"parallel", "executor"}:  # how to run, not what: applied by the runner
     from mhc_jax.sweep import options as how
 
@@ -288,56 +244,42 @@ def load_sweep(
   )
 
 
-def _seed_values(value: Any, first: int) -> list:
-  """The ``seeds`` setting as a list of seeds: N -> first .. first + N - 1, or a list as given."""
-  if isinstance(value, int) and not isinstance(value, bool):
-    if value < 1:
-      raise ConfigError(f"seeds: expected a positive number of seeds, got {value}")
-    return [first + i for i in range(value)]
-  if (
-    isinstance(value, list)
-    and value
-    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
-  ):
-    if len(set(value)) != len(value):
-      raise ConfigError(f"seeds: repeated seeds in {value!r}")
-    return list(value)
-  raise ConfigError(
-    f"seeds: expected a number of seeds or a list of distinct non-negative integer "
-    f"seeds, got {value!r}"
+def _blame(e: ConfigError, overrides: Mapping) -> str | None:
+  """The override a ConfigError names (its key, or a section or part of it), if any."""
+  key = str(e).split(":", 1)[0].strip()
+  return next(
+    (k for k in overrides if key == k or key.startswith(k + ".") or k.startswith(key + ".")),
+    None,
   )
 
 
-def _validate_run(base: Mapping, overrides: Mapping, name: str) -> Config:
-  return _validate_with(base, overrides, "axes", f" (run {name})")
-
-
-def _validate_with(
+def _validated(
   base: Mapping, overrides: Mapping, label: str, where: str, base_label: str | None = None
 ) -> Config:
   """`base` + `overrides` validated, or ConfigError naming ``<label>.<key>``: the override at
   fault (the one the error names, else the one without which the config is valid); where no
   override is at fault, `base_label` (if given) is named instead."""
+
+  def check(ov):
+    cfg = from_dict(apply_overrides(base, ov))
+    check_paths(cfg)
+    return cfg
+
   try:
-    return _validate(apply_overrides(base, overrides))
+    return check(overrides)
   except ConfigError as e:
     err = e
-  key = _err_key(err)
-  culprits = [
-    k for k in overrides if key == k or key.startswith(k + ".") or k.startswith(key + ".")
-  ]
-  if not culprits:
-    for k in overrides:
-      rest = {kk: vv for kk, vv in overrides.items() if kk != k}
-      try:
-        _validate(apply_overrides(base, rest))
-        culprits.append(k)
-        break
-      except ConfigError:
-        continue
-  if not culprits and base_label is not None:
+  k = _blame(err, overrides)
+  for other in overrides if k is None else ():
+    try:
+      check({kk: vv for kk, vv in overrides.items() if kk != other})
+    except ConfigError:
+      continue
+    k = other
+    break
+  if k is None and base_label is not None:
     raise ConfigError(f"{base_label}: {err}") from None
-  k = culprits[0] if culprits else next(iter(overrides), None)
+  k = next(iter(overrides), None) if k is None else k
   if k is None:
     raise err
   raise ConfigError(f"{label}.{k}: value {overrides[k]!r}{where}: {err}") from None
@@ -359,11 +301,6 @@ def _fmt_value(v: Any) -> str:
   return str(v)
 
 
-def _short_keys(keys: list[str]) -> dict[str, str]:
-  lasts = [k.rsplit(".", 1)[-1] for k in keys]
-  return {k: (last if lasts.count(last) == 1 else k) for k, last in zip(keys, lasts)}
-
-
 def run_names(axes: Mapping[str, list]) -> list[str]:
   """The run names of the grid of `axes`, in product order."""
   return [n for n, _ in expand(axes)]
@@ -371,19 +308,18 @@ def run_names(axes: Mapping[str, list]) -> list[str]:
 
 def expand(axes: Mapping[str, list]) -> list[tuple[str, dict]]:
   """[(name, {axis key: value})] for the product of the axes (last axis fastest)."""
-  keys = list(axes)
-  if not keys:
+  if not axes:
     return [("base", {})]
-  short = _short_keys(keys)
+  lasts = [k.rsplit(".", 1)[-1] for k in axes]
+  short = [last if lasts.count(last) == 1 else k for k, last in zip(axes, lasts)]
   out, seen = [], {}
-  for combo in itertools.product(*(list(axes[k]) for k in keys)):
-    name = ",".join(f"{short[k]}={_fmt_value(v)}" for k, v in zip(keys, combo))
-    ov = {}
-    for k, v in zip(keys, combo):
-      ov.update(axes[k][v] if isinstance(axes[k], Mapping) else {k: v})
-    name = _UNSAFE.sub("_", name)
+  for combo in itertools.product(*(list(v) for v in axes.values())):
+    name = _UNSAFE.sub("_", ",".join(f"{s}={_fmt_value(v)}" for s, v in zip(short, combo)))
     if len(name) > 200:
       name = name[:180] + "_" + hashlib.sha256(name.encode()).hexdigest()[:10]
+    ov = {}
+    for (k, vals), v in zip(axes.items(), combo):
+      ov.update(vals[v] if isinstance(vals, Mapping) else {k: v})
     if name in seen:
       raise ConfigError(
         f"axes: runs {seen[name]} and {ov} get the same name {name!r}; make the values distinct"
@@ -396,15 +332,12 @@ def expand(axes: Mapping[str, list]) -> list[tuple[str, dict]]:
 def population_groups(sweep: Sweep, names: list[str] | None = None) -> list[list[Run]]:
   """Runs grouped into populations: same values on every non-population axis. Without
   ``population`` every run is its own group. `names` restricts to those runs (order kept)."""
-  runs = [r for r in sweep.runs if names is None or r.name in names]
-  if not sweep.population:
-    return [[r] for r in runs]
   groups: dict[str, list[Run]] = {}
-  for r in runs:
-    key = json.dumps(
-      {k: v for k, v in r.overrides.items() if k not in sweep.population}, sort_keys=True
-    )
-    groups.setdefault(key, []).append(r)
+  for r in sweep.runs:
+    if names is None or r.name in names:
+      rest = {k: v for k, v in r.overrides.items() if k not in sweep.population}
+      key = json.dumps(rest, sort_keys=True) if sweep.population else r.name
+      groups.setdefault(key, []).append(r)
   return list(groups.values())
 
 
@@ -412,49 +345,34 @@ def population_groups(sweep: Sweep, names: list[str] | None = None) -> list[list
 # Preparation (data sources, vocabulary, mesh) and the dry-run estimate.
 
 
-def prepare_runs(sweep: Sweep) -> dict:
-  """{run name: train.loop.Setup}; ConfigError (naming the run) on the first bad one."""
-  from mhc_jax.train.loop import prepare
-
+def prepare_runs(sweep: Sweep, prepare=None, note: str = "") -> dict:
+  """{run name: prepare(its config)} (default train.loop.prepare: a Setup); ConfigError naming
+  the run and the axis at fault (then `note`) on the first bad one."""
+  if prepare is None:
+    from mhc_jax.train.loop import prepare
   setups, cache = {}, {}
   for r in sweep.runs:
     key = json.dumps(to_dict(r.cfg), sort_keys=True, default=str)
     try:
-      setups[r.name] = cache[key] if key in cache else prepare(r.cfg)
+      if key not in cache:
+        cache[key] = prepare(r.cfg)
     except ConfigError as e:
-      k = _err_key(e)
-      axis = next((a for a in r.overrides if k == a or k.startswith(a + ".")), None)
-      where = (
-        f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis else f"run {r.name}"
-      )
-      raise ConfigError(f"{where}: {e}") from None
-    cache[key] = setups[r.name]
+      a = _blame(e, r.overrides)
+      where = f"axes.{a}: value {r.overrides[a]!r} (run {r.name})" if a else f"run {r.name}"
+      raise ConfigError(f"{where}: {e}{note}") from None
+    setups[r.name] = cache[key]
   return setups
 
 
 def param_counts(model_cfg) -> dict:
-  """Closed-form parameter counts (vocab resolved); jax.eval_shape of the init where a mixer
-  has no closed form."""
+  """Closed-form parameter counts of a ModelConfig (vocab resolved)."""
   from mhc_jax.model.params import expected_params
 
-  try:
-    return expected_params(model_cfg)
-  except ValueError:
-    import jax
-    import jax.numpy as jnp
-
-    from mhc_jax.model import Transformer, count_params
-
-    shapes = jax.eval_shape(
-      lambda: Transformer(model_cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-    )
-    import flax.linen as nn
-
-    return count_params(nn.meta.unbox(shapes))
+  return expected_params(model_cfg)
 
 
 def train_flops(cfg: Config, params: Mapping | None = None) -> float:
-  """Estimated training FLOPs of a run (formula in the module docstring)."""
+  """Estimated training FLOPs of a run (the formula: docs/sweeps.md)."""
   m = cfg.model
   params = params or param_counts(m)
   n = params["non_embedding"] + m.vocab * m.width
@@ -469,8 +387,7 @@ def dry_run_table(sweep: Sweep, setups: Mapping):
 
   group_of = {}
   for i, g in enumerate(population_groups(sweep)):
-    for r in g:
-      group_of[r.name] = i if len(g) > 1 else None
+    group_of.update({r.name: i if len(g) > 1 else None for r in g})
   rows = []
   for r in sweep.runs:
     cfg = setups[r.name].cfg
@@ -486,14 +403,11 @@ def dry_run_table(sweep: Sweep, setups: Mapping):
       }
     )
   df = pd.DataFrame(rows)
-  if not sweep.population:
-    df = df.drop(columns=["population"])
-  return df
+  return df if sweep.population else df.drop(columns=["population"])
 
 
 def format_flops(x: float) -> str:
   if not math.isfinite(x) or x <= 0:
     return str(x)
-  exp = int(math.floor(math.log10(x) / 3))
-  exp = max(0, min(exp, 5))
+  exp = max(0, min(int(math.floor(math.log10(x) / 3)), 5))
   return f"{x / 10 ** (3 * exp):.3g}{['', 'k', 'M', 'G', 'T', 'P'][exp]}"

@@ -6,10 +6,13 @@ described in docs/sweeps.md."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
+import subprocess
 import time
 import traceback
 
@@ -25,8 +28,6 @@ from mhc_jax.errors import (
 )
 from mhc_jax.sweep import grid, options as how, posteval
 from mhc_jax.train import dist
-
-__all__ = ["main", "run_sweep", "plan", "run_status", "write_manifest", "Unit", "check_runs"]
 
 # summary.json status -> the sweep's status of the run (anything else: not finished)
 SWEEP_STATUS = {"done": "done", "diverged": "done", "halted": "failed", "failed": "failed"}
@@ -50,10 +51,8 @@ def run_status(run_dir) -> tuple[str, str | None]:
 
 def read_manifest(out_dir) -> dict | None:
   p = storage.path(out_dir) / "manifest.json"
-  if not p.exists():
-    return None
   try:
-    return json.loads(p.read_text())
+    return json.loads(p.read_text()) if p.exists() else None
   except ValueError as e:
     raise ConfigError(f"--out: {p} is not valid JSON ({e}); use another --out") from None
 
@@ -74,18 +73,13 @@ def _check_compatible(old: dict, sweep: grid.Sweep, out_dir) -> None:
     f"since {out_dir} was made; its runs would mix configs. Use another --out, or undo the change"
   )
   old_axes = old.get("axes") or {}
-  for k in sweep.axes:
-    if k not in old_axes:
-      raise ConfigError(f"axes.{k}: a new axis {where}")
-  for k in old_axes:
-    if k not in sweep.axes:
-      raise ConfigError(f"axes.{k}: axis removed {where}")
+  for k in [*sweep.axes, *old_axes]:
+    if (k in sweep.axes) != (k in old_axes):
+      raise ConfigError(f"axes.{k}: {'a new axis' if k in sweep.axes else 'axis removed'} {where}")
   before = logs.flatten_dict(old.get("base_config") or {})
   now = logs.flatten_dict(sweep.base_config)
   for k in sorted(set(before) & set(now)):  # a key only one side has is a code change
-    if k.startswith("dist.") or k == "name":
-      continue
-    if not _same(before[k], now[k]):
+    if not (k.startswith("dist.") or k == "name" or _same(before[k], now[k])):
       raise ConfigError(
         f"{k}: changed from {before[k]!r} to {now[k]!r} (sweep file 'set', its "
         f"base config or --set) {where}"
@@ -97,20 +91,18 @@ def _check_compatible(old: dict, sweep: grid.Sweep, out_dir) -> None:
 
 
 def plan(sweep: grid.Sweep, out_dir) -> tuple[dict, list[str], list[str]]:
-  """(manifest, names of the runs to train in grid order, notes) for `sweep` in `out_dir`.
-  Reads the existing manifest (checked against the sweep) and every run's summary; writes
-  nothing."""
+  """(manifest, names of the runs to train in grid order, notes) for `sweep` in `out_dir`, from
+  the existing manifest (checked against the sweep) and every run's summary; writes nothing."""
   out_dir = storage.path(out_dir)
   old = read_manifest(out_dir)
-  if old is not None:
-    _check_compatible(old, sweep, out_dir)
   runs = {r.name: {"overrides": r.overrides, "dir": f"runs/{r.name}"} for r in sweep.runs}
   notes = []
   if old is not None:
+    _check_compatible(old, sweep, out_dir)
     new = [n for n in runs if n not in old.get("runs", {})]
+    gone = [n for n in old.get("runs", {}) if n not in runs]
     if new:
       notes.append(f"adding {len(new)} new run(s): {', '.join(new)}")
-    gone = [n for n in old.get("runs", {}) if n not in runs]
     if gone:
       notes.append(f"{len(gone)} run(s) no longer in the sweep file are kept: {', '.join(gone)}")
     for n in gone:
@@ -140,26 +132,24 @@ def plan(sweep: grid.Sweep, out_dir) -> tuple[dict, list[str], list[str]]:
 def _locked(run_dirs: list, say=print):
   """Hold every run directory's lock (process 0), waiting while another trainer has one."""
   with contextlib.ExitStack() as stack:
-    if dist.is_main():
-      for d in run_dirs:
-        told = False
-        while True:
-          try:
-            stack.enter_context(rundir.Lock(d))
-            break
-          except RunLocked as e:
-            if not told:
-              say(f"waiting: {e}")
-              told = True
-            time.sleep(5.0)
+    for d in run_dirs if dist.is_main() else ():
+      told = False
+      while True:
+        try:
+          stack.enter_context(rundir.Lock(d))
+          break
+        except RunLocked as e:
+          if not told:
+            say(f"waiting: {e}")
+          told = True
+          time.sleep(5.0)
     yield
 
 
 def train_unit(setups: dict, run_dirs: dict, progress: bool = False, say=print) -> None:
-  """Train the unfinished runs among `setups` (``{name: train.loop.Setup}``) into `run_dirs`
-  (``{name: path}``), as one population when there are several. A run directory without a
-  checkpoint is emptied first, so nothing of an earlier attempt remains; a halted run, or one
-  whose training raised, says so in its summary.json."""
+  """Train the unfinished runs among `setups` (``{name: train.loop.Setup}``) into `run_dirs`,
+  as one population when there are several. A run directory without a checkpoint is emptied
+  first; a halted run, or one whose training raised, says so in its summary.json."""
   from mhc_jax.sweep import population
   from mhc_jax.train.loop import train
 
@@ -168,18 +158,16 @@ def train_unit(setups: dict, run_dirs: dict, progress: bool = False, say=print) 
     live = [n for n in setups if run_status(dirs[n])[0] == "pending"]  # another may have ended it
     fresh = [n for n in live if not rundir.checkpoint_steps(dirs[n])]
     dist.sync("sweep: run directories read")
-    for n in fresh:
-      if dist.is_main() and dirs[n].exists():
-        for p in dirs[n].iterdir():
-          if p.name != rundir.LOCK_NAME:
-            p.rmtree() if p.is_dir() else p.unlink()
+    for n in fresh if dist.is_main() else ():
+      for p in dirs[n].iterdir() if dirs[n].exists() else ():
+        if p.name != rundir.LOCK_NAME:
+          p.rmtree() if p.is_dir() else p.unlink()
     dist.sync("sweep: run directories cleared")
     for n in live:  # the jobs' logs count these
       say(f"{n}: training from step {max(rundir.checkpoint_steps(dirs[n]), default=0)}")
     if len(live) == 1:
-      (n,) = live
       try:
-        train(setups[n], dirs[n], resume=n not in fresh, progress=progress)
+        train(setups[live[0]], dirs[live[0]], resume=not fresh, progress=progress)
       except RunHalted:
         pass  # summary.json says halted
     elif live:
@@ -189,30 +177,22 @@ def train_unit(setups: dict, run_dirs: dict, progress: bool = False, say=print) 
 
 
 class Unit:
-  """A submitit job: one unit of a sweep, from the runs' resolved configs (picklable; imports
-  nothing heavy until called). Returns ``{name: sweep status}``.
-
-  ``checkpoint()`` is submitit's requeue hook (SIGUSR2, ahead of a time limit or preemption):
-  SIGUSR2 becomes the SIGTERM on which the training loop saves a checkpoint, then the job asks
-  submitit to requeue it (SLURM: ``scontrol requeue``; local: exit code 144) and its next life
-  resumes from that checkpoint."""
+  """A submitit job: one unit of a sweep from its runs' configs (picklable), returning
+  ``{name: sweep status}``; on SIGUSR2 it saves a checkpoint and is requeued (docs/sweeps.md)."""
 
   def __init__(self, configs: dict, run_dirs: dict):
     self.configs, self.run_dirs = configs, {n: os.fspath(d) for n, d in run_dirs.items()}
 
-  def setups(self) -> dict:
+  def __call__(self) -> dict:
     from mhc_jax.train.config import from_dict
     from mhc_jax.train.loop import prepare
 
-    return {n: prepare(from_dict(c)) for n, c in self.configs.items()}
-
-  def __call__(self) -> dict:
     submitit_usr2 = signal.getsignal(signal.SIGUSR2)
-    asked = []
+    asked = []  # SIGUSR2 becomes the SIGTERM on which the loop saves a checkpoint
     signal.signal(signal.SIGUSR2, lambda *_: (asked.append(1), os.kill(os.getpid(), 15)))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the sweep, which sends SIGTERM
     try:
-      train_unit(self.setups(), self.run_dirs)
+      train_unit({n: prepare(from_dict(c)) for n, c in self.configs.items()}, self.run_dirs)
     except Preempted:
       if asked and callable(submitit_usr2):
         signal.signal(signal.SIGUSR2, submitit_usr2)
@@ -221,6 +201,7 @@ class Unit:
     return {n: run_status(d)[0] for n, d in self.run_dirs.items()}
 
   def checkpoint(self, *args, **kwargs):
+    """submitit's requeue hook: the next life of this job resumes from the checkpoint."""
     import submitit
 
     return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
@@ -230,25 +211,24 @@ class Unit:
 # Running a sweep.
 
 
-def _said(run_dir) -> str:
+def _said(unit: list, run_dir) -> str:
   """What a unit's run is about to do: start, or resume from its newest checkpoint."""
   step = max(rundir.checkpoint_steps(run_dir), default=0)
-  return f"resuming from step {step}" if step else "starting"
+  pop = f" (population of {len(unit)})" if len(unit) > 1 else ""
+  return (f"resuming from step {step}" if step else "starting") + pop
 
 
 def _result(run_dir, wall: float) -> str:
-  s = rundir.read_summary(run_dir)
   status, error = run_status(run_dir)
-  loss = s.get("final_loss")
+  loss = rundir.read_summary(run_dir).get("final_loss")
   tail = f" (final loss {loss:.4f})" if isinstance(loss, float) and status == "done" else ""
-  return f"{status if status != 'pending' else 'stopped'} in {wall:.1f}s{tail}" + (
-    f": {error}" if error else ""
-  )
+  tail += f": {error}" if error else ""
+  return f"{status if status != 'pending' else 'stopped'} in {wall:.1f}s{tail}"
 
 
 def _fail(run_dir, error: str) -> None:
   """A unit whose training raised or whose job died: its unfinished runs' summary.json say
-  failed, and a failed summary without a message gets `error` (the exception, the log's end)."""
+  failed, and a failed summary without a message gets `error`."""
   s = rundir.read_summary(run_dir)
   if run_status(run_dir)[0] == "pending" or (s.get("status") == "failed" and not s.get("message")):
     rundir.write_summary(run_dir, {**s, "status": "failed", "message": error})
@@ -259,13 +239,12 @@ def _job_error(job, e: Exception) -> str:
   exception's last line) and the end of its log."""
   if type(e).__name__ == "UncompletedJobError":  # no result: the process died (OOM, a signal)
     rc = getattr(getattr(job, "_process", None), "returncode", None)  # local jobs' process
-    # submitit's local controller exits 0 whatever its task died of: then all that is known is
-    # that the process ended without a result (a signal, the OOM killer, an exit mid-run)
-    how = f"exit status {rc}" if rc else f"its process was killed or exited; state {job.state}"
+    # submitit's local controller exits 0 whatever its task died of
+    how_ = f"exit status {rc}" if rc else f"its process was killed or exited; state {job.state}"
     if rc is not None and rc < 0:
       with contextlib.suppress(ValueError):
-        how = f"killed by {signal.Signals(-rc).name}"
-    head = f"job {job.job_id} died without a result ({how})"
+        how_ = f"killed by {signal.Signals(-rc).name}"
+    head = f"job {job.job_id} died without a result ({how_})"
   else:
     text = [line.strip() for line in str(e).splitlines() if line.strip()]
     head = f"job {job.job_id} failed: {text[-1] if text else type(e).__name__}"
@@ -281,12 +260,10 @@ def _gpu_ids() -> list[int]:
   if raw is not None:
     return [int(g) for g in raw.split(",") if g.strip().isdigit()]
   smi = shutil.which("nvidia-smi")
-  if not smi:
-    return []
-  import subprocess
-
-  out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
-  return [i for i, _ in enumerate(line for line in out.splitlines() if line.startswith("GPU "))]
+  out = (
+    subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout if smi else ""
+  )
+  return list(range(sum(line.startswith("GPU ") for line in out.splitlines())))
 
 
 def devices_per_job(k: int, kind: str, params: dict) -> tuple[int, list[list[int]]]:
@@ -301,46 +278,29 @@ def devices_per_job(k: int, kind: str, params: dict) -> tuple[int, list[list[int
         f"--parallel: {k} runs at once need at least {k} GPUs; this host has {len(gpus)}"
       )
     return per, [gpus[i * per : (i + 1) * per] for i in range(k)]
-  import re
-
   m = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
   return (int(m.group(1)) if m else 1), [[] for _ in range(k)]
 
 
 def check_runs(sweep: grid.Sweep, n_devices: int) -> None:
   """What ``train.loop.prepare`` checks, for a job with `n_devices` devices, without touching a
-  device here (the jobs get them): data source options, vocabulary, the mesh. ConfigError
-  naming the run (and the axis at fault)."""
+  device here (the jobs get them): data source options, vocabulary, the mesh."""
   from mhc_jax import data
   from mhc_jax.train.config import validate_mesh, with_data_vocab
 
-  for r in sweep.runs:
-    cfg = r.cfg
+  def check(cfg):
     try:
-      try:
-        source = data.make_source(
-          cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
-        )
-      except (ValueError, FileNotFoundError) as e:
-        raise ConfigError(f"data.options: {e}") from None
-      cfg = with_data_vocab(cfg, source.vocab_size)
-      if cfg.model.vocab < source.vocab_size:
-        raise ConfigError(
-          f"model.vocab: {cfg.model.vocab} is smaller than the data's vocabulary "
-          f"({source.vocab_size})"
-        )
-      if cfg.data.target == "posterior" and not source.has_posterior:
-        raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
-      validate_mesh(cfg.mesh, n_devices, cfg.data.batch_size)
-    except ConfigError as e:
-      key = str(e).split(":", 1)[0].strip()
-      axis = next((a for a in r.overrides if key == a or key.startswith(a + ".")), None)
-      where = (
-        f"axes.{axis}: value {r.overrides[axis]!r} (run {r.name})" if axis else f"run {r.name}"
+      source = data.make_source(
+        cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
       )
-      raise ConfigError(
-        f"{where}: {e} (each of the parallel jobs has {n_devices} device(s))"
-      ) from None
+    except (ValueError, FileNotFoundError) as e:
+      raise ConfigError(f"data.options: {e}") from None
+    with_data_vocab(cfg, source.vocab_size)
+    if cfg.data.target == "posterior" and not source.has_posterior:
+      raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
+    validate_mesh(cfg.mesh, n_devices, cfg.data.batch_size)
+
+  grid.prepare_runs(sweep, check, f" (each of the parallel jobs has {n_devices} device(s))")
 
 
 def _executor(out_dir, kind: str, params: dict):
@@ -357,6 +317,12 @@ def _executor(out_dir, kind: str, params: dict):
     params.setdefault("name", f"mhc-sweep-{out_dir.name}")
   ex.update_parameters(**params)
   return ex
+
+
+def _config(sweep: grid.Sweep, name: str) -> dict:
+  from mhc_jax.train.config import to_dict
+
+  return {k: v for k, v in to_dict(sweep.run(name).cfg).items() if k != "dist"}  # one process
 
 
 def _run_jobs(sweep, out_dir, units, k, kind, params, say, progress) -> bool:
@@ -379,7 +345,7 @@ def _run_jobs(sweep, out_dir, units, k, kind, params, say, progress) -> bool:
         unit, slot = queue.pop(0), free.pop(0)
         dirs = {n: out_dir / "runs" / n for n in unit}
         for n in unit:
-          say(n, _said(dirs[n]) + (f" (population of {len(unit)})" if len(unit) > 1 else ""))
+          say(n, _said(unit, dirs[n]))
         if slots and slots[slot]:
           ex.update_parameters(visible_gpus=slots[slot], gpus_per_node=len(slots[slot]))
         old = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C reaches only us
@@ -402,9 +368,8 @@ def _run_jobs(sweep, out_dir, units, k, kind, params, say, progress) -> bool:
         try:
           job.result()
         except Exception as e:  # noqa: BLE001 - a crashed or killed job fails its runs only
-          if not stop:
-            for n in unit:
-              _fail(out_dir / "runs" / n, _job_error(job, e))
+          for n in unit if not stop else ():
+            _fail(out_dir / "runs" / n, _job_error(job, e))
         for n in unit:
           say(n, _result(out_dir / "runs" / n, time.time() - t0), bar.write)
         bar.update(len(unit))
@@ -414,14 +379,6 @@ def _run_jobs(sweep, out_dir, units, k, kind, params, say, progress) -> bool:
       signal.signal(s, h)
     bar.close()
   return not stop
-
-
-def _config(sweep: grid.Sweep, name: str) -> dict:
-  from mhc_jax.train.config import to_dict
-
-  d = to_dict(sweep.run(name).cfg)
-  d.pop("dist", None)  # a job is one process
-  return d
 
 
 def run_sweep(
@@ -439,17 +396,17 @@ def run_sweep(
   `setups` is not needed; otherwise they train here, one after another."""
   out_dir = storage.path(out_dir)
   manifest, todo, notes = plan(sweep, out_dir)
-  runs = manifest["runs"]
+  runs, evals = manifest["runs"], sweep.options.get("eval")
   counts = {s: sum(runs[r.name]["status"] == s for r in sweep.runs) for s in ("done", "failed")}
+  counted = f"{counts['done']} done, {counts['failed']} failed"
   for note in notes:
     _say(f"note: {note}")
   if not todo:
     _say(
-      f"sweep {sweep.name}: all {len(sweep.runs)} runs are finished ({counts['done']} done, "
-      f"{counts['failed']} failed); nothing to do in {out_dir}"
+      f"sweep {sweep.name}: all {len(sweep.runs)} runs are finished ({counted}); nothing to do"
+      f" in {out_dir}"
     )
     index = out_dir / "report" / "summary.md"
-    evals = sweep.options.get("eval")
     if dist.is_main() and (not index.exists() or (evals and posteval.pending(out_dir, manifest))):
       return _finish(out_dir, manifest, evals)
     if dist.is_main():
@@ -458,8 +415,8 @@ def run_sweep(
     return EXIT_FAILED if counts["failed"] else EXIT_OK
   how_ = f" as {executor} jobs, " + (f"up to {parallel} at once" if parallel else "all at once")
   _say(
-    f"sweep {sweep.name}: {len(sweep.runs)} runs ({counts['done']} done, {counts['failed']} "
-    f"failed, {len(todo)} to run) in {out_dir}{how_ if executor else ''}"
+    f"sweep {sweep.name}: {len(sweep.runs)} runs ({counted}, {len(todo)} to run) in"
+    f" {out_dir}{how_ if executor else ''}"
   )
   units = [[r.name for r in g] for g in grid.population_groups(sweep, todo)]
   order = {n: i + 1 for i, n in enumerate(todo)}
@@ -477,12 +434,12 @@ def run_sweep(
     ):
       _say(f"sweep {sweep.name}: stopped; re-run the same command to continue")
       return EXIT_PREEMPTED
-    return _finish(out_dir, plan(sweep, out_dir)[0], sweep.options.get("eval"))
+    return _finish(out_dir, plan(sweep, out_dir)[0], evals)
   for unit in units:
     dirs = {n: out_dir / runs[n]["dir"] for n in unit}
     for n in unit:
       runs[n]["status"] = "running"
-      say(n, _said(dirs[n]) + (f" (population of {len(unit)})" if len(unit) > 1 else ""))
+      say(n, _said(unit, dirs[n]))
     write_manifest(out_dir, manifest)
     t0 = time.time()
     try:
@@ -501,7 +458,7 @@ def run_sweep(
         runs[n]["error"] = error
       say(n, _result(dirs[n], time.time() - t0))
     write_manifest(out_dir, manifest)
-  return _finish(out_dir, manifest, sweep.options.get("eval"))
+  return _finish(out_dir, manifest, evals)
 
 
 def _print_table(out_dir) -> None:
@@ -513,8 +470,8 @@ def _print_table(out_dir) -> None:
 
 
 def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
-  """Write the manifest as the summaries say, evaluate the finished runs (the sweep's
-  ``eval: N``), write the report, print the summary table and the page's path (process 0)."""
+  """Write the manifest, evaluate the finished runs (the sweep's ``eval: N``), write the report,
+  print the screen-sized summary and the page's path (process 0)."""
   if not dist.is_main():
     return EXIT_OK
   from mhc_jax.sweep import report
@@ -543,12 +500,9 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir) -> None:
   if read_manifest(out_dir) is not None:
     runs = plan(sweep, out_dir)[0]["runs"]
     table.insert(1, "status", [runs.get(n, {}).get("status", "new") for n in table["run"]])
-  show = table.copy()
-  show["train_flops"] = [grid.format_flops(x) for x in table["train_flops"]]
-  print(
-    f"sweep {sweep.name}: {len(table)} runs -> {out_dir}"
-    + (f"; population axes: {', '.join(sweep.population)}" if sweep.population else "")
-  )
+  show = table.assign(train_flops=[grid.format_flops(x) for x in table["train_flops"]])
+  pop = f"; population axes: {', '.join(sweep.population)}" if sweep.population else ""
+  print(f"sweep {sweep.name}: {len(table)} runs -> {out_dir}{pop}")
   print(show.to_string(index=False))
   print(
     f"total: {int(table['params'].sum()):,} parameters over all runs, "
@@ -558,33 +512,23 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir) -> None:
 
 
 def main(args) -> int:
-  """``mhc-jax sweep`` (args: sweep_file, out, set, dry_run, quiet, parallel, executor, dist
-  flags)."""
-  parallel = how.parse_parallel(args.parallel) if getattr(args, "parallel", None) else None
-  sweep = grid.load_sweep(
-    args.sweep_file, getattr(args, "set", None) or [], variant=getattr(args, "variant", None)
-  )
-  parallel = parallel or sweep.options.get("parallel")
+  """``mhc-jax sweep`` (args: sweep_file, out, set, variant, dry_run, quiet, parallel, executor,
+  the dist flags)."""
+  sweep = grid.load_sweep(args.sweep_file, args.set or [], variant=args.variant)
+  parallel = how.parse_parallel(args.parallel) if args.parallel else sweep.options.get("parallel")
   raw = sweep.options.get("executor")
-  kind, params = how.executor_options(raw, getattr(args, "executor", None))
-  jobs = parallel is not None or raw is not None or getattr(args, "executor", None) is not None
+  kind, params = how.executor_options(raw, args.executor)
   out_dir = storage.path(args.out or os.path.join("sweeps_out", sweep.name))
   if out_dir.exists() and not out_dir.is_dir():
     raise ConfigError(f"--out: {out_dir} is not a directory")
-  if jobs and not args.dry_run:
-    flag = next(
-      (
-        f
-        for f in ("coordinator", "num_processes", "process_id")
-        if getattr(args, f, None) is not None
-      ),
-      None,
-    )
-    if flag:
-      raise ConfigError(
-        f"--{flag.replace('_', '-')}: a parallel sweep trains each run in its own single-process "
-        f"job; multi-process flags are for a sequential sweep (leave out --parallel / --executor)"
-      )
+  if any(x is not None for x in (parallel, raw, args.executor)) and not args.dry_run:
+    for flag in ("coordinator", "num_processes", "process_id"):
+      if getattr(args, flag) is not None:
+        raise ConfigError(
+          f"--{flag.replace('_', '-')}: a parallel sweep trains each run in its own"
+          f" single-process job; multi-process flags are for a sequential sweep (leave out"
+          f" --parallel / --executor)"
+        )
     if kind == "slurm" and shutil.which("sbatch") is None:
       raise ConfigError("--executor slurm: sbatch not found; run the sweep on a SLURM login node")
     check_runs(sweep, devices_per_job(parallel or 1, kind, params)[0])  # no device touched here
@@ -599,15 +543,13 @@ def main(args) -> int:
       executor_params=params,
     )
   if not args.dry_run:
-    import dataclasses
-
-    cfg = dist.init_distributed(sweep.runs[0].cfg, args)
-    if cfg.dist != sweep.runs[0].cfg.dist:
+    d = dist.init_distributed(sweep.runs[0].cfg, args).dist
+    if d != sweep.runs[0].cfg.dist:
       sweep.runs = [
-        dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, dist=cfg.dist)) for r in sweep.runs
+        dataclasses.replace(r, cfg=dataclasses.replace(r.cfg, dist=d)) for r in sweep.runs
       ]
   setups = grid.prepare_runs(sweep)
   if args.dry_run:
     print_dry_run(sweep, setups, out_dir)
     return EXIT_OK
-  return run_sweep(sweep, setups, out_dir, progress=not getattr(args, "quiet", False))
+  return run_sweep(sweep, setups, out_dir, progress=not args.quiet)
