@@ -3,7 +3,8 @@ returns its path, or returns ``None`` (writing nothing) when there is nothing to
 
 Inputs: ``metrics`` (``load_run`` frames with a ``run`` column), ``runs``
 (:func:`mhc_jax.sweep.report.summary_table`), ``events`` (``load_events`` frames with ``run``).
-One colour per mixer; shade = lr; line style = other varying axes; seeds -> mean line and band.
+One colour per mixer; shade = lr; line style = other varying axes; seeds -> mean line and band
+(docs/statistics.md, "Bands in the plots").
 """
 
 from __future__ import annotations
@@ -32,15 +33,6 @@ _KNOWN = {"residual": "#4d4d4d", "hc": "#d62728", "mhc": "#1f77b4", "mhc_lite": 
 _EXTRA = ["#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f"]
 _STYLES = ["-", "--", ":", "-."]
 _ROLE_COLS = ("run", "mixer", "lr", "seed")
-_LR_STATS = {
-  "n_lr",
-  "lrs",
-  "best_lr",
-  "best_final_loss",
-  "loss_init",
-  "n_diverged",
-  "lr_sensitivity",
-}
 _GREY = "#333333"
 
 _BAND = dict(alpha=0.22, lw=0)
@@ -175,16 +167,6 @@ def _mixer_of(runs: pd.DataFrame) -> pd.Series:
   return pd.Series("run", index=runs.index)
 
 
-def _grid(n: int, w: float = 4.8, h: float = 3.6):
-  nc, nr = min(n, 3), math.ceil(n / 3)
-  fig, axes = plt.subplots(
-    nr, nc, figsize=(w * nc, h * nr), squeeze=False, sharex=True, sharey=True, layout="constrained"
-  )
-  for ax in axes.ravel()[n:]:
-    ax.set_visible(False)
-  return fig, axes.ravel()[:n]
-
-
 def _save(fig, path, dpi: int) -> str:
   """The figure as a PNG at ``path`` (local or object store), written whole; its path."""
   buf = io.BytesIO()
@@ -200,22 +182,6 @@ def _series(df: pd.DataFrame, col: str) -> tuple[np.ndarray, np.ndarray]:
   num = (int, float, np.integer, np.floating)
   d = df[df[col].map(lambda v: isinstance(v, num) and not isinstance(v, bool))]
   return d["step"].to_numpy(dtype=np.float64), d[col].to_numpy(dtype=np.float64)
-
-
-def _layout(runs: pd.DataFrame, style_runs: pd.DataFrame | None = None):
-  """(panel column, panel values, style columns, style keys) shared by the panel figures."""
-  panel = _panel_col(runs)
-  styles = _style_cols(runs if style_runs is None else style_runs, panel)
-  keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
-  pvals = [None]
-  if panel:
-    pvals = sorted(runs[panel].dropna().unique(), key=lambda v: (_num([v])[0], str(v)))
-  return panel, pvals, styles, keys
-
-
-def _style(r, styles, keys) -> str:
-  key = tuple(str(r[c]) for c in styles)
-  return _STYLES[keys.index(key) % len(_STYLES)] if key in keys else "-"
 
 
 def _legend_handles(colors, styles, style_keys, max_band, lrs=(), band="range over seeds"):
@@ -238,15 +204,14 @@ def _legend_handles(colors, styles, style_keys, max_band, lrs=(), band="range ov
   return h
 
 
-def _plain_log_ticks(ax, axis: str = "y") -> None:
-  """Plain-number labels on a log axis; round evenly spaced ticks within about a decade."""
-  ax_ = ax.yaxis if axis == "y" else ax.xaxis
-  lo, hi = ax.get_ylim() if axis == "y" else ax.get_xlim()
+def _plain_log_ticks(ax) -> None:
+  """Plain-number labels on a log y axis; round evenly spaced ticks within about a decade."""
+  lo, hi = ax.get_ylim()
   if lo > 0 and hi / lo < 12:
-    ax_.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
-    ax_.set_minor_locator(NullLocator())
-  ax_.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
-  ax_.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_major_locator(MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+    ax.yaxis.set_minor_locator(NullLocator())
+  ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+  ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _use_log(values: np.ndarray, ratio: float = 30.0) -> bool:
@@ -260,43 +225,75 @@ def _finish(fig, axes, handles, *, log, xlabel, ylabel, title=None) -> None:
     ax.set_ylabel(ylabel)
     ax.label_outer()
     if log:
+      ax.set_yscale("log")
       _plain_log_ticks(ax)
   fig.legend(handles=handles, **_LEG)
   if title:
     fig.suptitle(title, fontsize=12)
 
 
-# =========================================================================== seeds
+# =========================================================================== panels and seeds
 def _seed_groups(runs: pd.DataFrame) -> list[pd.DataFrame]:
   """``runs`` split into groups that differ only in ``seed`` (each run alone without seeds)."""
   if not _varying(runs, "seed"):
     return [runs.iloc[[i]] for i in range(len(runs))]
-  ids = runs.attrs.get("id_columns") or [c for c in ("mixer", "depth", "width", "lr")]
+  ids = runs.attrs.get("id_columns") or ["mixer", "depth", "width", "lr"]
   return [
-    g
-    for _, g in stats.split(
-      runs, [c for c in ids if c in runs.columns and c not in ("run", "seed")]
-    )
+    g for _, g in stats.split(runs, [c for c in ids if c in runs and c not in ("run", "seed")])
   ]
 
 
-def _band(mat: np.ndarray, log: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """(mean, min, max) over rows (replicate seeds), geometric when ``log``; NaN where any row is
-  missing or non-finite (or <= 0 on a log axis): lines stop rather than average fewer seeds."""
+def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[np.ndarray, ...]:
+  """(x, mean, min, max) over replicate (x, values) series, geometric when ``log``: a range, not an
+  interval; NaN where a series lacks a finite (positive) value, so lines stop."""
+  xs = np.unique(np.concatenate([s for s, _ in series]))
+  mat = np.full((len(series), xs.size), np.nan)
+  for i, (s, v) in enumerate(series):
+    mat[i, np.searchsorted(xs, s)] = v
   ok = np.isfinite(mat) & ((mat > 0) if log else True)
   v = np.where(ok, np.log(np.where(ok, mat, 1.0)) if log else mat, np.nan)
   with np.errstate(invalid="ignore"):
     out = v.mean(axis=0), v.min(axis=0), v.max(axis=0)
-  return tuple(np.exp(x) for x in out) if log else out
+  return (xs, *(np.exp(x) for x in out)) if log else (xs, *out)
 
 
-def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[np.ndarray, ...]:
-  """(steps, mean, lo, hi) over replicate (steps, values) series; a range, not an interval."""
-  steps = np.unique(np.concatenate([s for s, _ in series]))
-  mat = np.full((len(series), steps.size), np.nan)
-  for i, (s, v) in enumerate(series):
-    mat[i, np.searchsorted(steps, s)] = v
-  return (steps, *_band(mat, log))
+def _panels(runs, draw, title="", lrs=(), all_runs=None, groups=_seed_groups):
+  """One panel per depth (else width) and a call ``draw(ax, members, colour, line style)`` per
+  group of ``runs`` (:func:`_seed_groups`); colours and styles from ``all_runs`` (default
+  ``runs``). Returns (fig, axes, panel column, colours, style columns, style keys)."""
+  every = runs if all_runs is None else all_runs
+  panel = _panel_col(runs)
+  styles = _style_cols(every, panel)
+  keys = sorted({tuple(str(r[c]) for c in styles) for _, r in runs.iterrows()})
+  pvals = [None]
+  if panel:
+    pvals = sorted(runs[panel].dropna().unique(), key=lambda v: (_num([v])[0], str(v)))
+  colors = mixer_colors(_mixer_of(every))
+  nc, nr = min(len(pvals), 3), math.ceil(len(pvals) / 3)
+  fig, axes = plt.subplots(
+    nr,
+    nc,
+    figsize=(4.8 * nc, 3.6 * nr),
+    squeeze=False,
+    sharex=True,
+    sharey=True,
+    layout="constrained",
+  )
+  for ax in axes.ravel()[len(pvals) :]:
+    ax.set_visible(False)
+  axes = axes.ravel()[: len(pvals)]
+  for ax, pv in zip(axes, pvals):
+    for members in groups(runs if panel is None else runs[runs[panel] == pv]):
+      r = members.iloc[0]
+      c = colors[str(r["mixer"]) if "mixer" in r else "run"]
+      lr = _num([r["lr"]])[0] if lrs else np.nan
+      if lrs and pd.notna(lr):
+        c = _shade(c, lrs.index(lr), len(lrs))
+      key = tuple(str(r[c]) for c in styles)
+      draw(ax, members, c, _STYLES[keys.index(key) % len(_STYLES)] if key in keys else "-")
+    ax.set_title(_panel_title(panel, pv) if panel else title, fontsize=10)
+    ax.grid(True, which="major", alpha=0.3)
+  return fig, axes, panel, colors, styles, keys
 
 
 # =========================================================================== curves
@@ -304,57 +301,43 @@ def _curves(metrics, runs, events, path, col, spike_kind, ylabel, title, log, dp
   if metrics is None or not len(metrics) or col not in metrics.columns:
     return None
   runs = runs[runs["run"].isin(set(metrics["run"]))]
-  if not len(runs):
-    return None
   series = {r: _series(metrics[metrics["run"] == r], col) for r in runs["run"]}
-  allv = np.concatenate([v for _, v in series.values()])
+  allv = np.concatenate([np.zeros(0), *(v for _, v in series.values())])
   if not np.isfinite(allv).any():
     return None
-  panel, pvals, styles, keys = _layout(runs)
-  colors = mixer_colors(_mixer_of(runs))
-  lrs = sorted(_num(runs["lr"]).dropna().unique()) if _varying(runs, "lr") else []
-  fig, axes = _grid(len(pvals))
   log = _use_log(allv) if log is None else log
-  any_spike = any_nonfinite = False
-  max_band = 0
-  for ax, pv in zip(axes, pvals):
-    tr = blended_transform_factory(ax.transData, ax.transAxes)
-    for members in _seed_groups(runs if panel is None else runs[runs[panel] == pv]):
-      r = members.iloc[0]
-      c = colors[str(r["mixer"]) if "mixer" in r else "run"]
-      lr = _num([r["lr"]])[0] if lrs else np.nan
-      if lrs and pd.notna(lr):
-        c = _shade(c, lrs.index(lr), len(lrs))
-      ls = _style(r, styles, keys)
-      if len(members) > 1:  # replicate seeds: mean line and band, markers per seed
-        steps, mid, lo, hi = _seed_band([series[n] for n in members["run"]], log)
-        ax.fill_between(steps, lo, hi, color=c, **_BAND)
-        ax.plot(steps, mid, color=c, ls=ls, lw=1.6, alpha=0.95)
-        max_band = max(max_band, len(members))
-      for name in members["run"]:
-        steps, vals = series[name]
-        y = np.where(np.isfinite(vals) & ((vals > 0) if log else True), vals, np.nan)
-        if len(members) == 1:
-          ax.plot(steps, y, color=c, ls=ls, lw=1.4, alpha=0.95)
-        ev = events[(events["run"] == name) & (events["kind"] == spike_kind)] if len(events) else []
-        lookup = dict(zip(steps, y))
-        pts = [(s, lookup.get(float(s), np.nan)) for s in (ev["step"] if len(ev) else [])]
-        pts = [(s, v) for s, v in pts if np.isfinite(v)]
-        if pts:
-          ax.plot(*zip(*pts), color=c, **_SPIKE)
-          any_spike = True
-        bad = np.flatnonzero(~np.isfinite(vals))
-        if bad.size:
-          ax.plot([steps[bad[0]]], [0.97], transform=tr, color=c, **_NAN)
-          any_nonfinite = True
-    if log:
-      ax.set_yscale("log")
-    ax.set_title(_panel_title(panel, pv) if panel else title, fontsize=10)
-    ax.grid(True, which="major", alpha=0.3)
-  handles = _legend_handles(colors, styles, keys, max_band, lrs)
-  if any_spike:
+  lrs = sorted(_num(runs["lr"]).dropna().unique()) if _varying(runs, "lr") else []
+  seen = {"band": 0, "spike": False, "nonfinite": False}
+
+  def draw(ax, members, c, ls):
+    if len(members) > 1:  # replicate seeds: mean line and band, markers per seed
+      steps, mid, lo, hi = _seed_band([series[n] for n in members["run"]], log)
+      ax.fill_between(steps, lo, hi, color=c, **_BAND)
+      ax.plot(steps, mid, color=c, ls=ls, lw=1.6, alpha=0.95)
+      seen["band"] = max(seen["band"], len(members))
+    for name in members["run"]:
+      steps, vals = series[name]
+      y = np.where(np.isfinite(vals) & ((vals > 0) if log else True), vals, np.nan)
+      if len(members) == 1:
+        ax.plot(steps, y, color=c, ls=ls, lw=1.4, alpha=0.95)
+      ev = events[(events["run"] == name) & (events["kind"] == spike_kind)] if len(events) else []
+      lookup = dict(zip(steps, y))
+      pts = [(s, lookup.get(float(s), np.nan)) for s in (ev["step"] if len(ev) else [])]
+      pts = [(s, v) for s, v in pts if np.isfinite(v)]
+      if pts:
+        ax.plot(*zip(*pts), color=c, **_SPIKE)
+        seen["spike"] = True
+      bad = np.flatnonzero(~np.isfinite(vals))
+      if bad.size:  # a marker at the top edge where the run first became non-finite
+        tr = blended_transform_factory(ax.transData, ax.transAxes)
+        ax.plot([steps[bad[0]]], [0.97], transform=tr, color=c, **_NAN)
+        seen["nonfinite"] = True
+
+  fig, axes, panel, colors, styles, keys = _panels(runs, draw, title, lrs)
+  handles = _legend_handles(colors, styles, keys, seen["band"], lrs)
+  if seen["spike"]:
     handles.append(Line2D([], [], color=_GREY, label=f"{spike_kind} event", **_SPIKE))
-  if any_nonfinite:
+  if seen["nonfinite"]:
     handles.append(Line2D([], [], color="#999999", label="became NaN/inf", **_NAN))
   t = title if panel else None
   _finish(fig, axes, handles, log=log, xlabel="training step", ylabel=ylabel, title=t)
@@ -481,34 +464,22 @@ def stream_spread_vs_layer(
       last[name] = mat[:, -1]
   if not last:
     return None
-  runs = runs[runs["run"].isin(set(last))]
   fin = np.concatenate(list(last.values()))
   fin = fin[np.isfinite(fin)]
   log = bool(fin.size) and fin.min() > 0 and fin.max() / fin.min() >= 30
-  panel, pvals, styles, keys = _layout(runs)
-  colors = mixer_colors(_mixer_of(runs))
-  fig, axes = _grid(len(pvals))
-  max_band = 0
-  for ax, pv in zip(axes, pvals):
-    for members in _seed_groups(runs if panel is None else runs[runs[panel] == pv]):
-      r = members.iloc[0]
-      c = colors[str(r["mixer"]) if "mixer" in r else "run"]
-      vals = [last[n] for n in members["run"]]
-      mat = np.full((len(vals), max(v.size for v in vals)), np.nan)
-      for i, v in enumerate(vals):
-        mat[i, : v.size] = v
-      x = np.arange(mat.shape[1])
-      mid = mat[0]
-      if len(vals) > 1:
-        mid, lo, hi = _band(mat, log)
-        ax.fill_between(x, lo, hi, color=c, **_BAND)
-        max_band = max(max_band, len(vals))
-      ax.plot(x, mid, color=c, ls=_style(r, styles, keys), lw=1.6, marker="o", ms=3)
-    if log:
-      ax.set_yscale("log")
-    ax.set_title(_panel_title(panel, pv), fontsize=10)
-    ax.grid(True, which="major", alpha=0.3)
-  handles = _legend_handles(colors, styles, keys, max_band)
+  max_band = []
+
+  def draw(ax, members, c, ls):
+    vals = [last[n] for n in members["run"]]
+    x, mid = np.arange(vals[0].size), vals[0]
+    if len(vals) > 1:
+      x, mid, lo, hi = _seed_band([(np.arange(v.size), v) for v in vals], log)
+      ax.fill_between(x, lo, hi, color=c, **_BAND)
+      max_band.append(len(vals))
+    ax.plot(x, mid, color=c, ls=ls, lw=1.6, marker="o", ms=3)
+
+  fig, axes, _, colors, styles, keys = _panels(runs[runs["run"].isin(set(last))], draw)
+  handles = _legend_handles(colors, styles, keys, max(max_band, default=0))
   x, title = "mixer layer (attn 0, mlp 0, attn 1, ...)", "Stream spread against layer"
   _finish(fig, axes, handles, log=log, xlabel=x, ylabel="stream spread", title=title)
   return _save(fig, path, dpi)
@@ -599,59 +570,52 @@ def lr_sensitivity_curves(
   over seeds), diverged runs as X at the initial loss, LRS in the legend."""
   if not len(lr_table) or "lr" not in runs.columns:
     return None
-  group_cols = lr_table.attrs.get("group_columns") or [
-    c for c in lr_table.columns if c not in _LR_STATS
-  ]
-  d = runs[runs["steps"] > 0].copy()
-  d["_lr"] = _num(d["lr"]).to_numpy()
+  d = runs[runs["steps"] > 0].assign(_lr=lambda x: _num(x["lr"]).to_numpy())
   d = d[d["_lr"].notna()]
   if not len(d):
     return None
-  panel, pvals, styles, keys = _layout(d, runs)
-  seeds = _varying(d, "seed")
-  colors = mixer_colors(_mixer_of(runs))
-  fig, axes = _grid(len(pvals))
+  seeds, styles = _varying(d, "seed"), _style_cols(runs, _panel_col(d))
+  units = [c for c in lr_table.attrs["group_columns"] if not (seeds and c == "seed")]
+  tables = {tuple(map(stats._key, k)): rows for k, rows in stats.split(lr_table, units)}
   log = _use_log(
     np.concatenate([d["final_loss"].to_numpy(float), lr_table["loss_init"].to_numpy(float)])
   )
-  unit_cols = [c for c in group_cols if not (seeds and c == "seed")]
   grid = sorted(d["_lr"].unique())
-  banded = 0
-  for ax, pv in zip(axes, pvals):
-    sub = d if panel is None else d[d[panel] == pv]
-    inits = []
-    for _, rows in stats.split(lr_table, unit_cols):  # with seeds: all seeds of a group at once
-      row = rows.iloc[0]
-      mask = np.ones(len(sub), dtype=bool)
-      for c in unit_cols:
-        mask &= (sub[c].astype(str) == str(row[c])).to_numpy()
-      if not mask.any():
-        continue
-      # per lr: mean over seeds and its 95% interval; NaN if any diverged
-      per = sub[mask].groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist()))
-      mean = pd.Series([t[0] for t in per], index=per.index)
-      init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
-      inits.append(init)
-      m = str(row["mixer"]) if "mixer" in row else "run"
-      label = m + "".join(f", {c}={row[c]}" for c in styles)
-      sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
-      if n > 1 and np.isfinite(s_lo):
-        label += f"  (LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds)"
-      elif np.isfinite(sens):
-        label += f"  (LRS {sens:.3g})"
-      ok = np.isfinite(mean.to_numpy())
-      x = mean.index.to_numpy()[ok]
-      ls = _style(row, styles, keys)
-      ax.plot(x, mean.to_numpy()[ok], color=colors[m], ls=ls, marker="o", label=label)
-      if n > 1:
-        lo, hi = (np.array([t[k] for t in per])[ok] for k in (1, 2))
-        ax.fill_between(x, lo, hi, color=colors[m], **_BAND)
-        banded = max(banded, n)
-      div = mean[~ok]
-      if len(div) and np.isfinite(init):
-        ax.plot(div.index, [init] * len(div), color=colors[m], **_DIV)
-    if inits and np.isfinite(np.nanmedian(inits)):
-      ax.axhline(float(np.nanmedian(inits)), color="#888888", ls=":", lw=1)
+  inits, banded = {}, []
+
+  def draw(ax, members, c, ls):  # the runs of one lr_table group: all lrs and seeds
+    rows = tables[tuple(map(stats._key, members[units].iloc[0]))]
+    row = rows.iloc[0]
+    # per lr: mean over seeds and its 95% interval; NaN if any diverged
+    per = members.groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist()))
+    mean = pd.Series([t[0] for t in per], index=per.index)
+    init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
+    inits.setdefault(ax, []).append(init)
+    label = (str(row["mixer"]) if "mixer" in row else "run") + "".join(
+      f", {c}={row[c]}" for c in styles
+    )
+    sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
+    if n > 1 and np.isfinite(s_lo):
+      label += f"  (LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds)"
+    elif np.isfinite(sens):
+      label += f"  (LRS {sens:.3g})"
+    ok = np.isfinite(mean.to_numpy())
+    x = mean.index.to_numpy()[ok]
+    ax.plot(x, mean.to_numpy()[ok], color=c, ls=ls, marker="o", label=label)
+    if n > 1:
+      lo, hi = (np.array([t[k] for t in per])[ok] for k in (1, 2))
+      ax.fill_between(x, lo, hi, color=c, **_BAND)
+      banded.append(n)
+    div = mean[~ok]
+    if len(div) and np.isfinite(init):
+      ax.plot(div.index, [init] * len(div), color=c, **_DIV)
+
+  group = lambda sub: [g for _, g in stats.split(sub, units)]  # noqa: E731
+  title = "Final loss against learning rate"
+  fig, axes, panel, *_ = _panels(d, draw, title, all_runs=runs, groups=group)
+  for ax in axes:
+    if ax in inits and np.isfinite(np.nanmedian(inits[ax])):
+      ax.axhline(float(np.nanmedian(inits[ax])), color="#888888", ls=":", lw=1)
     ax.set_xscale("log")
     if log:
       ax.set_yscale("log")
@@ -659,10 +623,6 @@ def lr_sensitivity_curves(
     ax.set_xticks(grid, labels=[f"{v:g}" for v in grid])
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.tick_params(axis="x", labelrotation=45 if len(grid) > 5 else 0)
-    ax.set_title(
-      _panel_title(panel, pv) if panel else "Final loss against learning rate", fontsize=10
-    )
-    ax.grid(True, which="major", alpha=0.3)
     ax.set_xlabel("peak learning rate")
     if ax.get_subplotspec().is_first_col():
       ax.set_ylabel("final loss (nats / token)")
@@ -676,8 +636,8 @@ def lr_sensitivity_curves(
     Line2D([], [], color="#888888", ls=":", label="initial loss"),
   ]
   if banded:
-    extra.append(Patch(color=_GREY, alpha=0.22, label=f"95% CI over seeds (≤ {banded})"))
+    extra.append(Patch(color=_GREY, alpha=0.22, label=f"95% CI over seeds (≤ {max(banded)})"))
   fig.legend(handles=extra, **_LEG)
   if panel:
-    fig.suptitle("Final loss against learning rate", fontsize=12)
+    fig.suptitle(title, fontsize=12)
   return _save(fig, path, dpi)
