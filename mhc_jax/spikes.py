@@ -72,7 +72,33 @@ def spike_threshold(history, threshold: float = 6.0, rel_std_floor: float = 1e-2
   return last + float(expected[-1]) + typical + threshold * max(spread, rel_std_floor * abs(last))
 
 
-class RollingSpikeDetector:
+class _Saved:
+  """``state_dict()`` / ``load_state_dict()`` of the instance's attributes as JSON-safe plain
+  values (deques with their length limit, nested detectors as their own dicts): a detector
+  restored from a checkpoint decides exactly as one that never stopped."""
+
+  def state_dict(self) -> dict[str, Any]:
+    def plain(v):
+      if isinstance(v, _Saved):
+        return v.state_dict()
+      if isinstance(v, deque):
+        return {"maxlen": v.maxlen, "items": list(v)}
+      return v
+
+    return {k: plain(v) for k, v in vars(self).items()}
+
+  def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    for k, v in state.items():
+      cur = getattr(self, k)
+      if isinstance(cur, _Saved):
+        cur.load_state_dict(v)
+      elif isinstance(cur, deque):
+        setattr(self, k, deque(v["items"], maxlen=v["maxlen"]))
+      else:
+        setattr(self, k, v)
+
+
+class RollingSpikeDetector(_Saved):
   """Streaming robust spike detector over a trailing window (:func:`spike_threshold`)."""
 
   def __init__(
@@ -85,32 +111,25 @@ class RollingSpikeDetector:
   ):
     if window < 3:
       raise ValueError(f"window must be >= 3, got {window}")
-    self.window = int(window)
     self.threshold = float(threshold)
-    self.min_history = max(3, min(int(min_history), self.window))
+    self.min_history = max(3, min(int(min_history), int(window)))
     self.rel_std_floor = float(rel_std_floor)
     self.add_spikes = bool(add_spikes)
-    self._buf = np.zeros(self.window, dtype=np.float64)  # ring buffer of accepted values
-    self._pos = 0  # next slot to write
-    self._count = 0  # number of valid entries (<= window)
+    self._hist: deque[float] = deque(maxlen=int(window))  # the accepted values, oldest first
 
-  # ------------------------------------------------------------------ queries
   def __len__(self) -> int:
-    return self._count
+    return len(self._hist)
 
   def history(self) -> np.ndarray:
     """The accepted values in the window, oldest first."""
-    if self._count < self.window:
-      return self._buf[: self._count].copy()
-    return np.roll(self._buf, -self._pos)
+    return np.asarray(self._hist, dtype=np.float64)
 
   def threshold_value(self) -> float:
     """The current bar a value must exceed to be a spike (+inf while warming up)."""
-    if self._count < self.min_history:
+    if len(self._hist) < self.min_history:
       return math.inf
     return spike_threshold(self.history(), self.threshold, self.rel_std_floor)
 
-  # ------------------------------------------------------------------ update
   def update(self, value) -> tuple[bool, float]:
     """Feed one value; returns ``(is_spike, threshold_value)`` (threshold before the value)."""
     v = _scalar(value)
@@ -119,46 +138,17 @@ class RollingSpikeDetector:
       return True, thr
     spike = v > thr
     if not spike or self.add_spikes:
-      self._buf[self._pos] = v
-      self._pos = (self._pos + 1) % self.window
-      self._count = min(self._count + 1, self.window)
+      self._hist.append(v)
     return spike, thr
-
-  # ------------------------------------------------------------------ state
-  def state_dict(self) -> dict[str, Any]:
-    return {
-      "window": self.window,
-      "threshold": self.threshold,
-      "min_history": self.min_history,
-      "rel_std_floor": self.rel_std_floor,
-      "add_spikes": self.add_spikes,
-      "buf": [float(x) for x in self._buf],
-      "pos": self._pos,
-      "count": self._count,
-    }
-
-  def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    """Restore settings and history exactly (the ring layout too, for bit-identical sums)."""
-    self.window = int(state["window"])
-    self.threshold = float(state["threshold"])
-    self.min_history = int(state["min_history"])
-    self.rel_std_floor = float(state["rel_std_floor"])
-    self.add_spikes = bool(state["add_spikes"])
-    buf = np.asarray(state["buf"], dtype=np.float64)
-    if buf.shape != (self.window,):
-      raise ValueError(f"buffer of length {buf.shape} does not match window {self.window}")
-    self._buf = buf.copy()
-    self._pos = int(state["pos"])
-    self._count = int(state["count"])
 
   @classmethod
   def from_state_dict(cls, state: Mapping[str, Any]) -> "RollingSpikeDetector":
-    det = cls(window=int(state["window"]))
+    det = cls()
     det.load_state_dict(state)
     return det
 
 
-class SpikeMonitor:
+class SpikeMonitor(_Saved):
   """Loss and grad-norm spike detection plus a running spike score.
 
   ``update(step, loss, grad_norm=None) -> (events, spike_score)``: ``events`` is a list of
@@ -215,26 +205,8 @@ class SpikeMonitor:
     self.total_steps += 1
     return [], self.spike_score
 
-  def state_dict(self) -> dict[str, Any]:
-    return {
-      "loss": self.loss.state_dict(),
-      "grad": self.grad.state_dict(),
-      "score_window": self.score_window,
-      "flags": list(self._flags),
-      "total_steps": self.total_steps,
-      "total_spikes": self.total_spikes,
-    }
 
-  def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    self.loss.load_state_dict(state["loss"])
-    self.grad.load_state_dict(state["grad"])
-    self.score_window = int(state["score_window"])
-    self._flags = deque((int(f) for f in state["flags"]), maxlen=self.score_window)
-    self.total_steps = int(state["total_steps"])
-    self.total_spikes = int(state["total_spikes"])
-
-
-class DivergenceRule:
+class DivergenceRule(_Saved):
   """Persistent divergence of the training loss (llm-foundry ``KillLossSpike`` style).
 
   ``update(loss) -> bool`` returns True once the run has diverged (and stays True: the
@@ -293,34 +265,6 @@ class DivergenceRule:
     if self.streak >= self.patience:
       self.diverged, self.reason, self.threshold = True, reason, thr
     return self.diverged
-
-  def state_dict(self) -> dict[str, Any]:
-    return {
-      "factor": self.factor,
-      "window": self.window,
-      "patience": self.patience,
-      "warmup": self.warmup,
-      "hist": list(self._hist),
-      "initial": self.initial,
-      "steps": self.steps,
-      "streak": self.streak,
-      "diverged": self.diverged,
-      "reason": self.reason,
-      "threshold": self.threshold,
-    }
-
-  def load_state_dict(self, state: Mapping[str, Any]) -> None:
-    self.factor = float(state["factor"])
-    self.window = int(state["window"])
-    self.patience = int(state["patience"])
-    self.warmup = int(state["warmup"])
-    self._hist = deque((float(x) for x in state["hist"]), maxlen=self.window)
-    self.initial = None if state["initial"] is None else float(state["initial"])
-    self.steps = int(state["steps"])
-    self.streak = int(state["streak"])
-    self.diverged = bool(state["diverged"])
-    self.reason = state["reason"]
-    self.threshold = float(state["threshold"])
 
 
 # ============================================================================ offline

@@ -173,7 +173,7 @@ def test_divergence_rule_sees_nonfinite_losses():
     rule.update(v)
   fired = [rule.update(v) for v in (np.nan, np.inf, np.nan, 1.0)]
   assert fired == [False, False, True, True] and rule.reason == "nonfinite"
-  assert all(math.isfinite(v) for v in rule.state_dict()["hist"])
+  assert all(math.isfinite(v) for v in rule.state_dict()["_hist"]["items"])
   mixed = DivergenceRule(window=4, patience=2, warmup=100)
   for v in [1.0] * 4:
     mixed.update(v)
