@@ -1,34 +1,15 @@
-"""Per-layer stability diagnostics: pure ``jnp`` functions of arrays.
+"""Per-layer stability diagnostics: pure, jit-safe ``jnp`` functions, computed in float32.
 
-Everything here is jit-safe (no host syncs, no Python branching on values) and is
-computed in float32 whatever the input dtype. The function names are the metric
-names in the logs (see docs/interfaces.md, "Metric names" and "What the gain metrics mean").
+The function names are the metric names in the logs; what each means is in docs/interfaces.md
+("Metric names", "What the gain metrics mean"). Mixer layers are indexed ``l = 0 .. 2L-1`` in
+depth order (attn_0, mlp_0, attn_1, ...); ``x_l`` enters layer ``l`` and
+``x_{l+1} = H_res x_l + H_postᵀ F(H_pre x_l)``.
 
-Conventions
------------
-Mixer layers are indexed ``l = 0 .. 2L-1`` in depth order (attn_0, mlp_0, attn_1, ...).
-``x_l`` is the stream state *entering* layer ``l`` and layer ``l`` maps
-``x_{l+1} = H_res x_l + H_post^T F(H_pre x_l)``.
-
-* Amax gain (mHC paper, "Amax Gain Magnitude"): the forward gain of a matrix is the
-  max over rows of |row sum| and the backward gain the max over columns of |column sum|,
-  i.e. ``max_i |sum_j h_ij|`` and ``max_j |sum_i h_ij|``. (This is the gain of the
-  all-ones signal, as in the paper, not the induced inf/1 operator norm, which would
-  take absolute values *before* summing; the two agree for non-negative matrices such as
-  every Sinkhorn-projected ``H_res``.)
-* Composite (prefix): ``P_l = H_l @ ... @ H_0`` is the map from the stream entering layer 0 to
-  the stream leaving layer ``l`` (residual path only). Suffix: ``S_l = H_{2L-1} @ ... @ H_l``,
-  layer ``l`` to the output (the mHC paper's Eq. 4). The two agree only for the whole depth
-  (``P_{2L-1} = S_0``).
-* Token-averaged vs per-token: ``h_res`` in the stats is averaged over tokens before the product;
-  a product of averages is not an average of products, so it can hide tokens whose own product
-  explodes. ``h_res_tok`` holds the per-token matrices of a fixed token sample, and the
-  ``*_composite_tok_{mean,max}`` metrics are the gains of each sampled token's own product.
-* Amin: the smallest |row sum| (forward) or |column sum| (backward): the attenuated side that a
-  max hides.
-* ``gain_bwd``: see :func:`gain_bwd`.
-* Ratios are plain divisions: a zero denominator gives inf (or NaN for 0/0), which the
-  logs record honestly rather than hiding behind an epsilon.
+The Amax gain (the mHC paper's "Amax Gain Magnitude") is the gain of the all-ones signal,
+``max_i |sum_j h_ij|`` forward and ``max_j |sum_i h_ij|`` backward, not the induced inf/1 norm
+(absolute values before summing); the two agree for non-negative matrices such as every
+Sinkhorn-projected ``H_res``. Ratios are plain divisions: a zero denominator gives inf (0/0
+NaN), which the logs record rather than hide behind an epsilon.
 """
 
 from __future__ import annotations
@@ -38,28 +19,6 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 from jax import lax
-
-__all__ = [
-  "gain_fwd",
-  "branch_ratio",
-  "amax_fwd",
-  "amax_bwd",
-  "composite",
-  "amax_fwd_composite",
-  "amax_bwd_composite",
-  "log_colsum_max",
-  "amin_fwd",
-  "amin_bwd",
-  "suffix",
-  "token_composite_gains",
-  "growth_exponent",
-  "gain_bwd",
-  "tree_layer_norms",
-  "tree_norm",
-  "tree_rms",
-  "layer_metrics",
-  "LOG_FLOOR",
-]
 
 #: Floor used by :func:`log_colsum_max` for |column sum| before taking the log.
 LOG_FLOOR = 1e-30

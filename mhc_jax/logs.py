@@ -32,18 +32,6 @@ if TYPE_CHECKING:  # pandas is imported where a reader needs it: a training proc
 
 from mhc_jax import storage
 
-__all__ = [
-  "JsonlWriter",
-  "to_jsonable",
-  "read_jsonl",
-  "truncate_after",
-  "load_run",
-  "load_events",
-  "load_sweep",
-  "load_summaries",
-  "flatten_dict",
-]
-
 EVENT_COLUMNS = ["step", "kind", "value", "threshold"]
 LONG_COLUMNS = ["step", "metric", "layer", "value"]
 

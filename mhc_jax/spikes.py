@@ -28,15 +28,6 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = [
-  "spike_threshold",
-  "RollingSpikeDetector",
-  "SpikeMonitor",
-  "DivergenceRule",
-  "spike_mask",
-  "lr_sensitivity",
-]
-
 
 def _scalar(value) -> float:
   """float() of a Python/numpy/jax scalar (or size-1 array)."""

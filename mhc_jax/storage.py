@@ -22,17 +22,6 @@ from etils import epath
 
 Path = epath.Path
 
-__all__ = [
-  "Path",
-  "path",
-  "is_local",
-  "json_default",
-  "write_bytes_atomic",
-  "write_text_atomic",
-  "write_json_atomic",
-  "read_json",
-]
-
 
 def path(p: str | os.PathLike) -> epath.Path:
   """An epath for ``p`` (local path or URL such as ``gs://bucket/dir``)."""

@@ -45,17 +45,6 @@ from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import State, abstract_state, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
 
-__all__ = [
-  "POPULATION_KEYS",
-  "shared_key",
-  "check_members",
-  "Programs",
-  "programs",
-  "PopulationProgram",
-  "train_population",
-]
-
-
 # ------------------------------------------------------------------------------------------
 # Who can be a population.
 

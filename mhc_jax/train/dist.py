@@ -12,15 +12,6 @@ import numpy as np
 
 from mhc_jax.errors import ConfigError
 
-__all__ = [
-  "init_distributed",
-  "is_main",
-  "broadcast_str",
-  "sync",
-  "preemption_check",
-  "in_main_thread",
-]
-
 
 def init_distributed(cfg, args=None):
   """``cfg`` with its resolved ``dist``, after ``jax.distributed.initialize`` when the flags

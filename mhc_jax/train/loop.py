@@ -41,18 +41,6 @@ from mhc_jax.train.recorder import Recorder
 from mhc_jax.train.state import abstract_boxed, abstract_state, create_state, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
 
-__all__ = [
-  "Setup",
-  "prepare",
-  "host_batch",
-  "is_diag_step",
-  "is_due",
-  "train",
-  "run_members",
-  "RunHalted",
-  "Preempted",
-]
-
 
 @dataclasses.dataclass
 class Setup:
