@@ -177,8 +177,7 @@ def final_loss_of(losses: np.ndarray) -> float:
 
 
 def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
-  """One run directory -> ``{column: value}`` for the :data:`COLUMN_DOCS` columns (a run with no
-  files gives NaNs, ``steps`` 0 and a note)."""
+  """One run directory -> ``{column: value}`` for the :data:`COLUMN_DOCS` columns."""
   return _summarize(storage.path(run_dir))[0]
 
 
@@ -285,21 +284,16 @@ def _cell(v: Any) -> Any:
 
 
 def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:
-  """One row per run: ``run``, the sweep axes (short names: ``model.mixer`` -> ``mixer``), the
-  roles mixer/depth/width/lr/seed from config.yaml where they are not axes, then the
-  :data:`COLUMN_DOCS` columns. ``attrs``: ``axes`` (override key -> column), ``id_columns``,
-  ``run_dirs``, ``sweep_dir``, ``not_logged`` (run -> the :data:`LATER_COLUMNS` it lacks)."""
+  """One row per run: ``run``, the sweep axes, the roles from config.yaml, the :data:`COLUMN_DOCS`
+  columns (docs/sweeps.md); ``attrs``: axes, id_columns, run_dirs, sweep_dir, not_logged."""
   sweep_dir = storage.path(sweep_dir)
   runs = _sweep_runs(sweep_dir)
   keys = dict.fromkeys(k for info in runs.values() for k in info.get("overrides") or {})
   axes = _axis_columns(list(keys))
   dirs = {n: sweep_dir / (info.get("dir") or n) for n, info in runs.items()}
   cfgs = {n: _read_config(d) for n, d in dirs.items()}
-  roles = [
-    r
-    for r, k in _CONFIG_KEYS.items()
-    if r not in axes.values() and any(k in c for c in cfgs.values())
-  ]
+  known = {k for cfg in cfgs.values() for k in cfg}
+  roles = [r for r, k in _CONFIG_KEYS.items() if k in known and r not in axes.values()]
   records, not_logged = [], {}
   for name, info in runs.items():
     row, missing = _summarize(dirs[name])
@@ -345,8 +339,7 @@ LR_COLUMNS = "n_lr lrs best_lr best_final_loss loss_init n_diverged lr_sensitivi
 
 def lr_sensitivity_table(df: pd.DataFrame) -> pd.DataFrame:
   """Wortsman et al.'s LR sensitivity (:func:`mhc_jax.spikes.lr_sensitivity`) per group of runs
-  with logged metrics that differ only in ``lr``; a NaN/inf ``final_loss`` counts as diverged,
-  runs sharing an lr are averaged, fewer than two lrs give NaN. No lr axis: an empty frame."""
+  that differ only in ``lr`` (a NaN/inf ``final_loss`` counts as diverged); no lr axis: empty."""
   group_cols = [c for c in _id_columns(df) if c not in ("run", "lr")]
   rows, groups = [], []
   if has_lr_axis(df):
@@ -412,10 +405,8 @@ def group_columns(df: pd.DataFrame) -> list[str]:
 
 
 def groups_table(df: pd.DataFrame) -> pd.DataFrame:
-  """One row per group of runs that differ only in the seed: the group columns, ``n_runs``,
-  ``n_seeds`` (runs with metrics), ``seeds``, and per :data:`GROUP_METRICS` metric its mean (or,
-  for :data:`LOG_SCALE`, geometric mean) over seeds with the 95% Student t interval
-  (``<metric>_mean`` / ``_gmean``, ``_ci_lo``, ``_ci_hi``; :mod:`mhc_jax.sweep.stats`)."""
+  """groups.csv: one row per group of runs that differ only in the seed, each metric's mean (or
+  geometric mean) and 95% interval over seeds (docs/statistics.md)."""
   gcols = group_columns(df)
   cols = [m for m in GROUP_METRICS if m in df.columns]
   unit = "seed" if "seed" in df.columns else None
@@ -436,11 +427,8 @@ def groups_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def paired_table(df: pd.DataFrame) -> pd.DataFrame:
-  """Paired comparisons between mixers (arms) by seed, within each group of the other identifying
-  columns: per pair ``mixer_a`` before ``mixer_b`` and :data:`GROUP_METRICS` metric, the mean and
-  95% t interval of ``b - a`` (``diff_*``) or, for :data:`LOG_SCALE`, of the ratio ``b / a``
-  (``ratio_*``), and ``significant`` (:func:`mhc_jax.sweep.stats.paired_stats`). Empty (with the
-  columns) when fewer than two mixers have results."""
+  """paired.csv: differences (ratios on the log scale) between mixers (arms) that share a seed,
+  within each group of the other axes (docs/statistics.md); empty under two mixers."""
   options = _option_columns(df)
   context = [c for c in group_columns(df) if c != "mixer" and c not in options]
   cols = [*context, "mixer_a", "mixer_b", *stats.PAIRED_COLUMNS[2:]]
@@ -826,27 +814,6 @@ def screen(sweep_dir: str | os.PathLike) -> str:
   )
 
 
-#: Each figure: (title, what summary.md says where there is nothing to draw).
-_FIGURES = {
-  "loss_curves": ("Training loss", "No loss curves: no run has logged a finite loss yet."),
-  "grad_norms": ("Gradient norm", "No gradient-norm curves: no run has logged a finite grad_norm."),
-  "amax_vs_depth": (
-    "Composite Amax gain against depth",
-    "No composite Amax gain plot: no run has logged amax_fwd_composite / amax_bwd_composite (or "
-    "no depth is known).",
-  ),
-  "stream_spread": (
-    "Stream spread against layer",
-    "No stream spread plot: no run has logged stream_spread (logs written before it existed, or "
-    "mixers whose state is not streams).",
-  ),
-  "lr_sensitivity": (
-    "Learning-rate sensitivity",
-    "No LR-sensitivity plot: no run on the lr grid has finished logging.",
-  ),
-}
-
-
 def _plot_frames(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   """(metrics, events) of every run with metrics, with a ``run`` column, for the plots."""
   keep = ["step", "loss", "grad_norm", "gain_fwd", "stream_spread"]
@@ -870,12 +837,34 @@ def _figures(table, lr_tab, out, paths, max_heatmaps, dpi) -> tuple[list, list[s
 
   m, ev = _plot_frames(table)
   runs, info = table.copy(), plots.describe(table)
-  draw = {
-    "loss_curves": lambda p: plots.loss_curves(m, runs, ev, p, dpi=dpi),
-    "grad_norms": lambda p: plots.grad_norm_curves(m, runs, ev, p, dpi=dpi),
-    "amax_vs_depth": lambda p: plots.composite_gain_vs_depth(m, runs, p, dpi=dpi),
-    "stream_spread": lambda p: plots.stream_spread_vs_layer(m, runs, p, dpi=dpi),
-    "lr_sensitivity": lambda p: plots.lr_sensitivity_curves(runs, lr_tab, p, dpi=dpi),
+  draw = {  # each figure: (title, drawing, what summary.md says where there is nothing to draw)
+    "loss_curves": (
+      "Training loss",
+      lambda p: plots.loss_curves(m, runs, ev, p, dpi=dpi),
+      "No loss curves: no run has logged a finite loss yet.",
+    ),
+    "grad_norms": (
+      "Gradient norm",
+      lambda p: plots.grad_norm_curves(m, runs, ev, p, dpi=dpi),
+      "No gradient-norm curves: no run has logged a finite grad_norm.",
+    ),
+    "amax_vs_depth": (
+      "Composite Amax gain against depth",
+      lambda p: plots.composite_gain_vs_depth(m, runs, p, dpi=dpi),
+      "No composite Amax gain plot: no run has logged amax_fwd_composite / amax_bwd_composite "
+      "(or no depth is known).",
+    ),
+    "stream_spread": (
+      "Stream spread against layer",
+      lambda p: plots.stream_spread_vs_layer(m, runs, p, dpi=dpi),
+      "No stream spread plot: no run has logged stream_spread (logs written before it existed, "
+      "or mixers whose state is not streams).",
+    ),
+    "lr_sensitivity": (
+      "Learning-rate sensitivity",
+      lambda p: plots.lr_sensitivity_curves(runs, lr_tab, p, dpi=dpi),
+      "No LR-sensitivity plot: no run on the lr grid has finished logging.",
+    ),
   }
   missing, figures = [], []
   if not has_lr_axis(table):
@@ -884,12 +873,12 @@ def _figures(table, lr_tab, out, paths, max_heatmaps, dpi) -> tuple[list, list[s
       "This sweep has no learning-rate axis (fewer than two distinct lr values), so there is no "
       "LR-sensitivity table or plot."
     )
-  for key, plot in draw.items():
+  for key, (title, plot, none) in draw.items():
     if p := plot(out / f"{key}.png"):
       paths[key] = str(p)
-      figures.append(([key], _FIGURES[key][0], plots.CAPTIONS[key].format(**info)))
+      figures.append(([key], title, plots.CAPTIONS[key].format(**info)))
     else:
-      missing.append(_FIGURES[key][1])
+      missing.append(none)
   chosen = plots.pick_heatmap_runs(m, runs, max_heatmaps)
   for name in chosen:
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in name)
@@ -940,9 +929,8 @@ def write_report(
   max_heatmaps: int = 6,
   dpi: int = 110,
 ) -> dict[str, str]:
-  """Write the report into ``out_dir`` (default ``<sweep_dir>/report``; local or ``gs://``):
-  summary.md, summary.csv, groups.csv, paired.csv (two or more mixers), lr_sensitivity.csv (an
-  lr axis) and the PNGs (docs/sweeps.md). Returns ``{name: path}`` of every file written."""
+  """Write summary.md, the CSVs and the PNGs into ``out_dir`` (default ``<sweep_dir>/report``;
+  docs/sweeps.md); ``{name: path}`` of every file written."""
   sweep_dir = storage.path(sweep_dir)
   out = storage.path(out_dir) if out_dir is not None else sweep_dir / "report"
   out.mkdir(parents=True, exist_ok=True)
