@@ -1,11 +1,7 @@
 """``mhc-jax train | sweep | report | eval``.
 
-Bad input (config, flags, paths, a run directory in use) prints one ``error: ...`` line naming
-what is wrong and exits with code 2, before anything is written. A run halted by policy exits
-3; SIGTERM exits 143 after saving a checkpoint (resume with ``--resume``). Exit codes and
-errors live in :mod:`mhc_jax.errors`, run-directory rules in :mod:`mhc_jax.rundir`,
-multi-process start-up in :mod:`mhc_jax.train.dist`.
-"""
+Bad input is one ``error: ...`` line and exit 2, before anything is written; the exit codes are
+in :mod:`mhc_jax.errors`."""
 
 from __future__ import annotations
 
@@ -23,8 +19,6 @@ from mhc_jax.errors import (
   report,
 )
 
-__all__ = ["main", "build_parser", "UsageError"]
-
 
 class _Parser(argparse.ArgumentParser):
   """argparse, but a bad flag is one ``error:`` line and exit 2 like every other bad input."""
@@ -33,16 +27,8 @@ class _Parser(argparse.ArgumentParser):
     sys.exit(report(f"{self.prog}: {message}"))
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--config", help="YAML config (configs/*.yaml)")
-  p.add_argument(
-    "--set",
-    nargs="+",
-    action="extend",
-    default=[],
-    metavar="KEY=VALUE",
-    help="dotted overrides, e.g. model.depth=32 optim.lr=3e-3 (may be repeated)",
-  )
+def _add_set_flag(p: argparse.ArgumentParser, text: str) -> None:
+  p.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE", help=text)
 
 
 def _add_dist_flags(p: argparse.ArgumentParser) -> None:
@@ -164,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
   ap = _Parser(prog="mhc-jax", description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
   t = sub.add_parser("train", help="train one run")
-  _add_run_flags(t)
+  t.add_argument("--config", help="YAML config (configs/*.yaml)")
+  _add_set_flag(t, "dotted overrides, e.g. model.depth=32 optim.lr=3e-3 (may be repeated)")
   _add_dist_flags(t)
   t.add_argument("--out", help="run directory (default runs/<name>/<time>-<hash>)")
   t.add_argument("--resume", action="store_true", help="continue the run in --out")
@@ -184,14 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
   s = sub.add_parser("sweep", help="run a grid of runs (resumable); see configs/sweeps/")
   s.add_argument("sweep_file", help="sweep YAML (configs/sweeps/*.yaml)")
   s.add_argument("--out", help="sweep directory (default sweeps_out/<name>)")
-  s.add_argument(
-    "--set",
-    nargs="+",
-    action="extend",
-    default=[],
-    metavar="KEY=VALUE",
-    help="overrides applied to the base config of every run (may be repeated)",
-  )
+  _add_set_flag(s, "overrides applied to the base config of every run (may be repeated)")
   s.add_argument("--variant", help="which of the sweep file's variants (default: the first)")
   s.add_argument("--dry-run", action="store_true", help="list runs, parameter counts, FLOPs")
   s.add_argument("--quiet", action="store_true")

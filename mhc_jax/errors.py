@@ -1,10 +1,6 @@
-"""What can go wrong that a user can act on, and the exit codes of ``mhc-jax``.
-
-Bad input (:class:`BadInput`: a config key, a flag, a path, a run directory in use) is reported
-as one ``error: ...`` line and exit code 2, before anything is written. A run stopped by policy
-(non-finite values, divergence) exits 3; SIGTERM saves a checkpoint and exits 143; a sweep with
-a failed run exits 1.
-"""
+"""What can go wrong that a user can act on, and the exit codes of ``mhc-jax``: bad input exits 2
+with one ``error: ...`` line before anything is written; a run halted by policy exits 3; SIGTERM
+exits 143 after a checkpoint; a sweep with a failed run exits 1."""
 
 from __future__ import annotations
 

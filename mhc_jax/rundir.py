@@ -1,22 +1,9 @@
-"""Run directories: naming, the never-overwrite and resume rules, locking, summaries.
-
-A run directory holds ``config.yaml``, ``metrics.jsonl``, ``events.jsonl``, ``checkpoints/``
-and ``summary.json`` (docs/interfaces.md), local or on an object store (``gs://...``).
-
-- :func:`default_run_dir`: ``runs/<name>/<time>-<config hash>``, never an existing directory.
-- :func:`check`: a new run needs a directory that does not exist or is empty; ``--resume``
-  needs a run directory (one with ``config.yaml``). Runs are never overwritten.
-- :class:`Lock`: one trainer per run directory. The lock is ``.lock`` in the directory, held
-  with ``flock`` on local filesystems (released by the kernel when its process dies, so a
-  killed trainer leaves no stale lock) and holding the holder's host, pid and start time,
-  which a second trainer's error names. On an object store (no flock) the file alone is the
-  lock; one whose process is gone from this host counts as stale.
-- :func:`checkpoint_steps`, :func:`read_summary`, :func:`write_summary` (atomic): what the
-  trainer, the sweep runner and ``mhc-jax eval`` read of a run.
-"""
+"""Run directories (local or ``gs://...``): naming, the never-overwrite and resume rules, the
+one-trainer lock, summaries. The rules are in docs/interfaces.md ("Run directory")."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -29,17 +16,6 @@ from mhc_jax.errors import RunLocked, UsageError
 RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "summary.json", "checkpoints")
 LOCK_NAME = ".lock"
 FINISHED = ("done", "halted", "diverged")  # a resume of these changes nothing
-
-__all__ = [
-  "RUN_FILES",
-  "default_run_dir",
-  "check",
-  "holds_run",
-  "checkpoint_steps",
-  "read_summary",
-  "write_summary",
-  "Lock",
-]
 
 
 def default_run_dir(name: str, config_hash: str) -> storage.Path:
@@ -113,43 +89,34 @@ def _describe(info: dict | None) -> str:
 
 
 class Lock:
-  """Exclusive use of a run directory by this process; ``RunLocked`` names the holder.
+  """Exclusive use of a run directory by this process (taking it again nests); RunLocked names
+  the holder. A context manager."""
 
-  Re-entrant within a process: locking a directory this process already holds nests.
-  """
-
-  _held: dict[str, "Lock"] = {}
+  _held: dict[str, list] = {}  # key -> [depth, the flock's fd or None]
 
   def __init__(self, run_dir):
     self.run_dir = storage.path(run_dir)
     self.file = self.run_dir / LOCK_NAME
-    self.key = (
-      os.path.abspath(os.fspath(run_dir)) if storage.is_local(run_dir) else os.fspath(run_dir)
-    )
-    self._fd = None
-    self._depth = 0
+    local = storage.is_local(run_dir)
+    self.key = os.path.abspath(os.fspath(run_dir)) if local else os.fspath(run_dir)
 
   def acquire(self) -> "Lock":
-    held = Lock._held.get(self.key)
-    if held is not None:
-      held._depth += 1
+    if self.key in Lock._held:
+      Lock._held[self.key][0] += 1
       return self
     info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-    if storage.is_local(self.run_dir):
-      self._acquire_local(info)
-    else:
-      self._acquire_remote(info)
-    self._depth = 1
-    Lock._held[self.key] = self
+    local = storage.is_local(self.run_dir)
+    fd = self._flock(info) if local else self._claim(info)
+    Lock._held[self.key] = [1, fd]
     return self
 
-  def _message(self, holder: dict | None) -> str:
-    return (
+  def _locked(self, holder: dict | None) -> RunLocked:
+    return RunLocked(
       f"--out: {self.run_dir} is in use by {_describe(holder)}; wait for it to finish or "
       f"stop it (a killed trainer's lock is released with it)"
     )
 
-  def _acquire_local(self, info: dict) -> None:
+  def _flock(self, info: dict) -> int:
     import fcntl
 
     self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -165,24 +132,25 @@ class Lock:
           holder = json.loads(raw)
         except ValueError:
           holder = None
-        raise RunLocked(self._message(holder)) from None
+        raise self._locked(holder) from None
       try:  # the holder may have removed the file between our open and our flock
-        same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+          break
       except FileNotFoundError:
-        same = False
-      if same:
-        break
+        pass
       os.close(fd)
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(info).encode())
-    self._fd = fd
+    return fd
 
-  def _acquire_remote(self, info: dict) -> None:
+  def _claim(self, info: dict) -> None:
+    """An object store has no flock: the file is the lock; a dead process's on this host is
+    stale."""
     holder = storage.read_json(self.file)
     if holder is not None and not (
       holder.get("host") == info["host"] and not _pid_alive(int(holder.get("pid", -1)))
     ):
-      raise RunLocked(self._message(holder))
+      raise self._locked(holder)
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.file.write_text(json.dumps(info))
 
@@ -190,17 +158,14 @@ class Lock:
     held = Lock._held.get(self.key)
     if held is None:
       return
-    held._depth -= 1
-    if held._depth:
+    held[0] -= 1
+    if held[0]:
       return
-    Lock._held.pop(self.key, None)
-    try:
-      held.file.unlink()
-    except FileNotFoundError:
-      pass
-    if held._fd is not None:
-      os.close(held._fd)  # closing releases the flock
-      held._fd = None
+    del Lock._held[self.key]
+    with contextlib.suppress(FileNotFoundError):
+      self.file.unlink()
+    if held[1] is not None:
+      os.close(held[1])  # closing releases the flock
 
   def __enter__(self) -> "Lock":
     return self.acquire()

@@ -1,21 +1,15 @@
-"""How a sweep runs (not what it trains): the ``parallel`` and ``executor`` settings of a sweep
-file and the ``--parallel`` / ``--executor`` flags, validated. Read by :mod:`mhc_jax.sweep.grid`
-when it loads a sweep file and applied by :mod:`mhc_jax.sweep.runner`.
-
-``executor`` is a kind (``local``: submitit's LocalExecutor; ``slurm``) or a mapping of ``kind``
-and submitit parameters (``timeout_min``, ``gpus_per_node``, ``slurm_partition``, ...).
-"""
+"""How a sweep runs (not what it trains): the sweep file's ``parallel`` and ``executor`` (a kind,
+``local`` or ``slurm``, or a mapping of ``kind`` and submitit parameters) and the ``--parallel`` /
+``--executor`` flags, validated."""
 
 from __future__ import annotations
 
 import os
 import re
-import sys
 from typing import Any
+from unittest import mock
 
 from mhc_jax.errors import ConfigError
-
-__all__ = ["EXECUTORS", "parse_parallel", "executor_options", "import_submitit"]
 
 EXECUTORS = ("local", "slurm")
 
@@ -64,14 +58,6 @@ def executor_options(raw: Any, cli_kind: str | None) -> tuple[str, dict]:
 def import_submitit():
   """submitit, without its import-time logging set-up in the sweep's process (that binds
   handlers to the sys.stdout/stderr of the moment, which need not outlive it)."""
-  if "submitit" not in sys.modules:
-    old = os.environ.get("SUBMITIT_LOG_LEVEL")
-    os.environ["SUBMITIT_LOG_LEVEL"] = "NOCONFIG"
-    try:
-      import submitit  # noqa: F401
-    finally:
-      if old is None:
-        os.environ.pop("SUBMITIT_LOG_LEVEL", None)
-      else:
-        os.environ["SUBMITIT_LOG_LEVEL"] = old
-  return sys.modules["submitit"]
+  with mock.patch.dict(os.environ, SUBMITIT_LOG_LEVEL="NOCONFIG"):
+    import submitit
+  return submitit

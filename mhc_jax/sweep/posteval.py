@@ -1,13 +1,5 @@
-"""Post-run evaluation for a sweep: ``eval: N`` in a sweep file runs ``mhc-jax eval`` (posterior
-fidelity and the geometry probes, :mod:`mhc_jax.evaluate`) on N validation batches of every
-finished run, before the report is written, so the report's ``eval_*`` and ``probe_*`` columns
-(and ``groups.csv``'s intervals over seeds) have them.
-
-Each run's result goes to its own ``eval.json`` (written atomically). A run whose ``eval.json``
-is already there for its last checkpoint is skipped, so a killed sweep re-run evaluates only
-the rest. A failed evaluation is reported and leaves that run's columns NaN; it does not fail
-the sweep.
-"""
+"""Post-run evaluation for a sweep (``eval: N``): ``mhc-jax eval`` on N validation batches of every
+finished run, before the report, into its ``eval.json``; docs/interfaces.md ("Run directory")."""
 
 from __future__ import annotations
 
@@ -16,8 +8,6 @@ import traceback
 from typing import Callable
 
 from mhc_jax import rundir, storage
-
-__all__ = ["pending", "evaluate_runs"]
 
 
 def pending(out_dir, manifest: dict) -> list:
