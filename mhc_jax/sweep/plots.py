@@ -596,7 +596,7 @@ def lr_sensitivity_curves(
     )
     sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
     if n > 1 and np.isfinite(s_lo):
-      label += f"  (LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds)"
+      label += f"\n  LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds"
     elif np.isfinite(sens):
       label += f"  (LRS {sens:.3g})"
     ok = np.isfinite(mean.to_numpy())
@@ -628,8 +628,9 @@ def lr_sensitivity_curves(
       ax.set_ylabel("final loss (nats / token)")
     if ax.get_legend_handles_labels()[0]:
       ax.legend(loc="best", fontsize=7, frameon=False)
-  nan = "final loss NaN/inf (drawn at the initial loss)" + (
-    "; with seeds: any seed" if banded else ""
+  # on short lines: a wide figure legend squeezes a one-panel figure's axes to nothing
+  nan = "final loss NaN/inf\n(drawn at the initial loss)" + (
+    "\nwith seeds: any seed" if banded else ""
   )
   extra = [
     Line2D([], [], color="#999999", label=nan, **_DIV),
