@@ -4,7 +4,7 @@ one process: forward + backward median time of
 - a GELU MLP (C -> 4C -> C) applied over ``[B, T, C]`` against the same over ``[B*T, C]``;
 - causal attention scores and values (softmax between) with heads after time ``[B, T, H, D]``
   against heads before time ``[B, H, T, D]`` (batch axes lead), and the model's
-  ``causal_attention`` (heads before time, queries in chunks that skip the masked keys);
+  ``causal_attention`` (``model.attention: materialized``);
 - the stream mix ``x' = H_res x + H_postᵀ F`` with per-token coefficients: autodiff of the
   einsum form, autodiff of the written-out sum, and ``mixers.cpu_mix.mix`` (hand-written VJP, the CPU kernel);
   and its forward reading its inputs out of ``[L, ...]`` stacks at a traced layer index (as
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from timing import median_time
 
 from mhc_jax.mixers.cpu_mix import mix, stream_sum
-from mhc_jax.model.layers import causal_attention, query_chunk
+from mhc_jax.model.layers import causal_attention
 
 
 def mlp(x, w1, w2):
@@ -80,14 +80,13 @@ def main() -> None:
   ta, tb = grad_time(attn_bthd, qkv, a.steps), grad_time(attn_bhtd, qkv, a.steps)
   print(f"attention fwd+bwd, [B, T, H, D]: {ta * 1e3:.1f} ms, [B, H, T, D]: {tb * 1e3:.1f} ms")
   print(f"  ratio {ta / tb:.2f}")
-  q_chunk = query_chunk(t)
 
-  def chunked(q, k, v):
+  def materialized(q, k, v):
     q, k, v = (jnp.swapaxes(a, 1, 2) for a in (q, k, v))
-    return jnp.swapaxes(causal_attention(q, k, v, q_chunk)[0], 1, 2)
+    return jnp.swapaxes(causal_attention(q, k, v)[0], 1, 2)
 
-  tc = grad_time(chunked, qkv, a.steps)
-  print(f"  queries in chunks of {q_chunk} (the model's): {tc * 1e3:.1f} ms, {tb / tc:.2f}x faster")
+  tc = grad_time(materialized, qkv, a.steps)
+  print(f"  the model's materialized form: {tc * 1e3:.1f} ms, {tb / tc:.2f}x faster")
   xs = jax.random.normal(k[3], (b, t, n, c))
   args = (xs, jax.random.normal(k[4], (b, t, c)))
   args += (jax.random.normal(k[5], (b, t, n, n)), jax.random.normal(k[6], (b, t, n)))

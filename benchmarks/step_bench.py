@@ -75,11 +75,7 @@ def attention_fn(impl: str):
   over the whole ``[T, T]`` scores, for reference."""
   sw = lambda a: jnp.swapaxes(a, -3, -2)
   if impl == "materialized":
-    return lambda q, k, v: sw(
-      layers.causal_attention(sw(q), sw(k), sw(v), layers.query_chunk(q.shape[-3]), False, q.dtype)[
-        0
-      ]
-    )
+    return lambda q, k, v: sw(layers.causal_attention(sw(q), sw(k), sw(v), False, q.dtype)[0])
   if impl == "xla":
     return layers.xla_attention
   if impl in ("jax_xla", "cudnn"):

@@ -25,13 +25,13 @@ def dense_attention(q, k, v):
   )
 
 
-@pytest.mark.parametrize("t,chunk", [(12, 5), (40, 64)])  # 3 chunks (the last one short); 1
-def test_chunked_causal_attention_equals_dense(t, chunk):
-  """Query chunks that skip the masked keys: the same outputs, probabilities (zeros above the
-  diagonal included), logit maximum and gradients as the dense form, to float32 rounding."""
+@pytest.mark.parametrize("t", [12, 40])
+def test_causal_attention_equals_dense(t):
+  """The materialised form: the same outputs, probabilities (zeros above the diagonal
+  included), logit maximum and gradients as the reference, to float32 rounding."""
   ks = jax.random.split(jax.random.PRNGKey(0), 3)
   q, k, v = (jax.random.normal(a, (2, 3, t, 8)) for a in ks)
-  y, m, p = jax.jit(lambda *a: layers.causal_attention(*a, chunk=chunk, with_probs=True))(q, k, v)
+  y, m, p = jax.jit(lambda *a: layers.causal_attention(*a, with_probs=True))(q, k, v)
   y0, m0, p0 = jax.jit(dense_attention)(q, k, v)
   chex.assert_trees_all_close((y, m, p), (y0, m0, p0), atol=1e-6, rtol=1e-6)
   assert float(jnp.max(jnp.abs(jnp.triu(p, 1)))) == 0.0
@@ -39,16 +39,9 @@ def test_chunked_causal_attention_equals_dense(t, chunk):
   def loss(f):
     return lambda *a: jnp.sum(jnp.sin(f(*a)[0]))
 
-  g = jax.jit(jax.grad(loss(lambda *a: layers.causal_attention(*a, chunk=chunk)), (0, 1, 2)))(
-    q, k, v
-  )
+  g = jax.jit(jax.grad(loss(layers.causal_attention), (0, 1, 2)))(q, k, v)
   g0 = jax.jit(jax.grad(loss(dense_attention), (0, 1, 2)))(q, k, v)
   chex.assert_trees_all_close(g, g0, atol=1e-5, rtol=1e-5)
-
-
-def test_query_chunk_rule():
-  """Short sequences stay one chunk; from 128 tokens on, two."""
-  assert [layers.query_chunk(t) for t in (16, 127, 128, 256, 1001)] == [16, 127, 64, 128, 501]
 
 
 # ----------------------------------------------------------------------- attention implementations
@@ -60,7 +53,7 @@ def _qkv(t, heads=3, d=8, batch=2, seed=0):
 def _materialized(q, k, v):
   """Today's value path on ``[B, T, H, D]``: ``causal_attention`` over heads-first arrays."""
   sw = lambda a: jnp.swapaxes(a, -3, -2)
-  return sw(layers.causal_attention(sw(q), sw(k), sw(v), layers.query_chunk(q.shape[-3]))[0])
+  return sw(layers.causal_attention(sw(q), sw(k), sw(v))[0])
 
 
 def _value_and_grads(f, q, k, v):
@@ -71,8 +64,7 @@ def _value_and_grads(f, q, k, v):
 @pytest.mark.parametrize("t,chunk", [(12, 256), (200, 256), (37, 8), (64, 16)])
 def test_xla_attention_equals_materialized(t, chunk, monkeypatch):
   """``xla_attention`` (jax.nn.dot_product_attention, XLA) against the materialised form:
-  values and gradients to 1e-5 in float32, unrolled chunks (T <= 2 chunks) and the
-  ``lax.map`` chunks (a small ``ATTN_CHUNK``; T = 37 pads its last chunk)."""
+  values and gradients to 1e-5 in float32, one call (T <= 2 chunks) and the ``lax.map`` chunks (a small ``ATTN_CHUNK``; T = 37 pads its last chunk)."""
   monkeypatch.setattr(layers, "ATTN_CHUNK", chunk)
   q, k, v = _qkv(t)
   (y, g), (y0, g0) = (_value_and_grads(f, q, k, v) for f in (layers.xla_attention, _materialized))
@@ -83,7 +75,7 @@ def test_causal_logit_max_is_the_materialized_one(monkeypatch):
   monkeypatch.setattr(layers, "ATTN_CHUNK", 16)
   q, k, v = _qkv(40)
   sw = lambda a: jnp.swapaxes(a, -3, -2)
-  m0 = layers.causal_attention(sw(q), sw(k), sw(v), 7)[1]
+  m0 = layers.causal_attention(sw(q), sw(k), sw(v))[1]
   np.testing.assert_allclose(layers.causal_logit_max(q, k), m0, rtol=1e-6)
   assert jax.grad(lambda q: layers.causal_logit_max(q, k))(q).sum() == 0  # no gradient
 

@@ -50,46 +50,23 @@ def rope(x_BTHD: jax.Array, base: float = 10000.0) -> jax.Array:
   return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).astype(x_BTHD.dtype)
 
 
-def query_chunk(t: int) -> int:
-  """Queries per chunk in ``causal_attention`` for a sequence of ``t``: two chunks from 128 on.
-
-  In the whole train step (benchmarks/step_bench.py, T = 256) two chunks made the residual
-  step about 3% faster; more, smaller chunks made it slower (more ops, and the key and value
-  gradients of overlapping slices summed), although attention alone ran faster with them.
-  """
-  return t if t < 128 else -(-t // 2)
-
-
-def causal_attention(q_BHTD, k_BHSD, v_BHSD, chunk=None, with_probs=False, dtype=jnp.float32):
-  """Causal softmax attention, ``(y_BHTD, max causal pre-softmax logit, probs_BHTS or None)``.
-
-  Queries go in chunks of ``chunk`` (None: one chunk); each chunk scores only the keys up to its
-  last query, so the masked upper triangle is mostly never computed. Scores, softmax and the
-  logit maximum are float32. The dropped keys would get probability exactly 0, so the outputs
-  are those of the dense form; the chunked reductions may round differently in the last digits.
-  ``with_probs`` assembles the full ``[B, H, T, T]`` probabilities (zeros above the diagonal).
-  """
+def causal_attention(q_BHTD, k_BHSD, v_BHSD, with_probs=False, dtype=jnp.float32):
+  """Causal softmax attention with the ``[T, T]`` scores materialised: ``(y_BHTD, max causal
+  pre-softmax logit, probs_BHTS or None)``. Scores, softmax and the logit maximum are float32;
+  ``with_probs`` returns the ``[B, H, T, T]`` probabilities (zeros above the diagonal)."""
   t, d = q_BHTD.shape[-2], q_BHTD.shape[-1]
-  chunk = t if chunk is None else chunk
-  ys, maxes, probs = [], [], []
-  for s0 in range(0, t, chunk):
-    e = min(s0 + chunk, t)
-    logits = jnp.einsum("...htd,...hsd->...hts", q_BHTD[..., s0:e, :], k_BHSD[..., :e, :])
-    logits = logits.astype(jnp.float32) / math.sqrt(d)
-    causal = jnp.arange(s0, e)[:, None] >= jnp.arange(e)[None, :]
-    maxes.append(jnp.max(jnp.where(causal, logits, -jnp.inf)))
-    p = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
-    ys.append(jnp.einsum("...hts,...hsd->...htd", p.astype(dtype), v_BHSD[..., :e, :]))
-    if with_probs:
-      probs.append(jnp.pad(p, [(0, 0)] * (p.ndim - 1) + [(0, t - e)]))
-  cat = lambda a: a[0] if len(a) == 1 else jnp.concatenate(a, axis=-2)
-  return cat(ys), jnp.max(jnp.stack(maxes)), cat(probs) if with_probs else None
+  logits = jnp.einsum("...htd,...hsd->...hts", q_BHTD, k_BHSD).astype(jnp.float32) / math.sqrt(d)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  logit_max = jnp.max(jnp.where(causal, logits, -jnp.inf))
+  p = jax.nn.softmax(jnp.where(causal, logits, -1e30), axis=-1)
+  y = jnp.einsum("...hts,...hsd->...htd", p.astype(dtype), v_BHSD)
+  return y, logit_max, p if with_probs else None
 
 
 ATTENTION = ("auto", "xla", "cudnn", "materialized")  # model.attention's choices
 
-# The "xla" value path: at most this many queries per chunk before the chunks go through
-# ``jax.lax.map`` (see ``xla_attention``).
+# The "xla" value path: queries per chunk of ``jax.lax.map`` for sequences longer than twice this
+# (see ``xla_attention``).
 ATTN_CHUNK = 256
 
 
@@ -124,22 +101,17 @@ def _dpa_xla(q, k, v, q0: int | jax.Array):
 def xla_attention(q_BTHD, k_BTHD, v_BTHD):
   """Causal attention through ``jax.nn.dot_product_attention(implementation="xla")``.
 
-  ``[..., T, H, D]`` in and out. The heads are folded into the batch (``[B*H, T, 1, D]``): XLA's
-  CPU dots ran the score products 1.4x faster (fwd + bwd) with the batch axes leading than in
-  ``[B, T, H, D]`` (the layout of ``benchmarks/layer_bench.py``'s finding). The queries go in
-  chunks, so the ``[T, T]`` scores never exist whole:
+  ``[..., T, H, D]`` in and out. The heads are folded into the batch (``[B*H, T, 1, D]``), the
+  layout XLA's CPU dots ran 1.4x faster (fwd + bwd) than ``[B, T, H, D]``
+  (``benchmarks/layer_bench.py``). Up to ``2 * ATTN_CHUNK`` tokens it is one call; longer
+  sequences go in chunks of ``ATTN_CHUNK`` queries through ``jax.lax.map``, each chunk
+  rematerialised in the backward (``jax.checkpoint``) and scoring every key under the causal
+  mask, so the compiled program holds one chunk's ``[ATTN_CHUNK, T]`` scores at a time and its
+  memory grows linearly in T (unrolled chunks did not bound it: XLA kept every chunk's scores
+  for the backward).
 
-  - up to ``2 * ATTN_CHUNK`` tokens, ``query_chunk(T)`` queries per chunk, unrolled, each chunk
-    scoring only the keys up to its last query (the fastest form on the CPU at T = 256; the
-    program's memory still grows as T^2, being small there);
-  - longer sequences, chunks of ``ATTN_CHUNK`` queries through ``jax.lax.map`` with each chunk
-    rematerialised in the backward (``jax.checkpoint``), each scoring every key under the causal
-    mask: the compiled program holds one chunk's ``[ATTN_CHUNK, T]`` scores at a time, so its
-    memory grows linearly in T (unrolled chunks did not bound it: XLA kept every chunk's scores
-    for the backward, remat or not). The masked keys cost arithmetic, not memory.
-
-  The dropped or masked keys get probability exactly 0, so the outputs are those of the dense
-  form; scores and softmax are float32 (bfloat16 inputs: bf16 products with f32 accumulation).
+  Masked keys get probability exactly 0, so the outputs are those of the dense form; scores and
+  softmax are float32 (bfloat16 inputs: bf16 products with f32 accumulation).
   """
   *lead, t, h, d = q_BTHD.shape
 
@@ -149,12 +121,7 @@ def xla_attention(q_BTHD, k_BTHD, v_BTHD):
 
   q, k, v = fold(q_BTHD), fold(k_BTHD), fold(v_BTHD)
   if t <= 2 * ATTN_CHUNK:
-    chunk = query_chunk(t)
-    ys = []
-    for s0 in range(0, t, chunk):
-      e = min(s0 + chunk, t)
-      ys.append(_dpa_xla(q[:, s0:e], k[:, :e], v[:, :e], s0))
-    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=1)
+    y = _dpa_xla(q, k, v, 0)
   else:
     c = ATTN_CHUNK
     n = -(-t // c)
@@ -195,8 +162,8 @@ class Attention(nn.Module):
   ``implementation`` (``model.attention``): ``xla`` (``xla_attention``), ``cudnn`` (cuDNN's fused
   flash attention through ``jax.nn.dot_product_attention``: NVIDIA GPUs, bfloat16/float16),
   ``auto`` (``auto_attention``: cuDNN where it applies, else XLA), ``materialized``
-  (``causal_attention``: the ``[T, T]`` scores in two query chunks, the model's own form
-  before the fused paths, kept for comparison). ``logit_max``: also return the largest causal pre-softmax
+  (``causal_attention``: the ``[T, T]`` scores, the model's own form before the fused paths,
+  kept for comparison). ``logit_max``: also return the largest causal pre-softmax
   logit (``causal_logit_max``, a separate score product: diagnostic steps only); False: None.
   When ``intermediates`` is mutable (probes, evaluation) the full ``[B, H, T, T]``
   probabilities are sown as ``attn``, computed apart from the value path.
@@ -243,15 +210,9 @@ class Attention(nn.Module):
     self.sow("intermediates", "q", q)
     self.sow("intermediates", "k", k)
     impl = resolve_attention(self.implementation, self.dtype, d)
+    swap = lambda a: jnp.swapaxes(a, -3, -2)  # [B, T, H, D] <-> [B, H, T, D]
     if impl == "materialized":
-      # Heads before time ([B, H, T, D]) for the two score products: batched matmuls whose
-      # batch axes lead, which XLA's CPU dots ran 1.38x faster (fwd + bwd) than the same einsums
-      # over [B, T, H, D] (benchmarks/layer_bench.py).
-      q_BHTD, k_BHSD, v_BHSD = (jnp.swapaxes(a, -3, -2) for a in (q, k, v))
-      y_BHTD, _, _ = causal_attention(
-        q_BHTD, k_BHSD, v_BHSD, query_chunk(q.shape[-3]), False, self.dtype
-      )
-      y_BTHD = jnp.swapaxes(y_BHTD, -3, -2)
+      y_BTHD = swap(causal_attention(swap(q), swap(k), swap(v), False, self.dtype)[0])
     elif impl == "xla":
       y_BTHD = xla_attention(q, k, v)
     else:  # cudnn: [B, T, H, D] is its layout; leading axes beyond B folded into B
@@ -260,8 +221,8 @@ class Attention(nn.Module):
       y_BTHD = jax.nn.dot_product_attention(q4, k4, v4, is_causal=True, implementation="cudnn")
       y_BTHD = y_BTHD.reshape(q.shape)
     if self.is_mutable_collection("intermediates"):  # probes: the full T x T, apart
-      swap = lambda a: jnp.swapaxes(jax.lax.stop_gradient(a), -3, -2)
-      _, _, probs = causal_attention(swap(q), swap(k), swap(v), None, True, self.dtype)
+      q_, k_, v_ = (swap(jax.lax.stop_gradient(a)) for a in (q, k, v))
+      _, _, probs = causal_attention(q_, k_, v_, True, self.dtype)
       self.sow("intermediates", "attn", probs)
     y_NHD = y_BTHD.reshape((-1,) + y_BTHD.shape[-2:])
     out = nn.DenseGeneral(
