@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mhc_jax.sweep import options as how
 from mhc_jax.train.config import (
   Config,
   ConfigError,
@@ -233,12 +234,10 @@ def load_sweep(
     raise ConfigError(
       f"eval: expected a positive number of validation batches, got {options['eval']!r}"
     )
-  if set(options) & {"parallel", "executor"}:  # how to run, not what: applied by the runner
-    from mhc_jax.sweep import options as how
-
-    if "parallel" in options:
-      options["parallel"] = how.parse_parallel(options["parallel"], "parallel")
-    how.executor_options(options.get("executor"), None)
+  if "parallel" in options:  # how to run, not what: checked here, applied by the runner
+    options["parallel"] = how.parse_parallel(options["parallel"], "parallel")
+  if "executor" in options:
+    how.executor_options(options["executor"], None)
   return Sweep(
     name, sweep_path, base_path, overrides, axes, tuple(pop), base_config, runs, options, variant
   )
