@@ -13,35 +13,42 @@ from __future__ import annotations
 
 import numpy as np
 
+# CSV columns read from probes.paper: column -> path (missing: empty)
+_KEY_COLUMNS = {
+  "key_mean_abs_cos_layer0": "key_orthogonality.layer0.mean_abs_cos",
+  "key_random_mean_abs_cos": "key_orthogonality.layer0.random_mean_abs_cos",
+  "key_ratio_to_random_layer0": "key_orthogonality.layer0.ratio_to_random",
+  "key_z_layer0": "key_orthogonality.layer0.z",
+}
+_QK_COLUMNS = {  # the last layer's slope (contrast where keys repeat, else the mean alignment)
+  "qk_slope": "slope",
+  "qk_slope_null_std": "null_std",
+  "qk_slope_z": "z",
+  "qk_slope_p": "p",
+}
+_VALUE_COLUMNS = {
+  "value_pc1_variance": "value_manifold.pc1_variance",
+  "value_pc1_variance_random": "value_manifold.pc1_variance_random",
+  "value_abs_corr_pc1_entropy": "value_manifold.abs_corr_pc1_entropy",
+  "value_corr_null_mean": "value_manifold.null_mean",
+  "value_corr_null_std": "value_manifold.null_std",
+  "value_corr_z": "value_manifold.z",
+  "value_abs_corr_within_position": (
+    "value_manifold.controls.within_position.abs_corr_pc1_entropy"
+  ),
+  "value_abs_corr_new_keys_within_position": (
+    "value_manifold.controls.new_keys_within_position.abs_corr_pc1_entropy"
+  ),
+  "frame_settled_step": "frame_precision.frame_settled_step",
+  "manifold_settled_step": "frame_precision.manifold_settled_step",
+  "frame_before_manifold": "frame_precision.frame_before_manifold",
+}
+_QK_WITHIN = ("qk_slope_within_position", "qk_slope_within_position_z")
 CSV_FIELDS = (
-  "run",
-  "task",
-  "mixer",
-  "step",
-  "kl_bits",
-  "key_mean_abs_cos_layer0",
-  "key_random_mean_abs_cos",
-  "key_ratio_to_random_layer0",
-  "key_z_layer0",
-  "qk_layer",
-  "qk_measure",
-  "qk_slope",
-  "qk_slope_null_std",
-  "qk_slope_z",
-  "qk_slope_p",
-  "qk_slope_within_position",
-  "qk_slope_within_position_z",
-  "value_pc1_variance",
-  "value_pc1_variance_random",
-  "value_abs_corr_pc1_entropy",
-  "value_corr_null_mean",
-  "value_corr_null_std",
-  "value_corr_z",
-  "value_abs_corr_within_position",
-  "value_abs_corr_new_keys_within_position",
-  "frame_settled_step",
-  "manifold_settled_step",
-  "frame_before_manifold",
+  *("run", "task", "mixer", "step", "kl_bits"),
+  *_KEY_COLUMNS,
+  *("qk_layer", "qk_measure", *_QK_COLUMNS, *_QK_WITHIN),
+  *_VALUE_COLUMNS,
 )
 
 
@@ -53,60 +60,34 @@ def paper_section(ev: dict) -> dict:
   return p
 
 
+def _get(d: dict, path: str):
+  for key in path.split("."):
+    d = d.get(key) if isinstance(d, dict) else None
+  return d
+
+
 def _qk_measure(layer: dict) -> str:
   return "contrast" if "contrast" in layer else "mean"
 
 
 def score_rows(evals: dict[str, dict]) -> list[dict]:
-  """One row of CSV_FIELDS per run (``evals``: name -> eval.json dict); the q-k columns are
-  the last layer's (contrast where keys repeat, else the mean alignment)."""
+  """One row of CSV_FIELDS per run (``evals``: name -> eval.json dict)."""
   rows = []
   for name, ev in evals.items():
     p = paper_section(ev)
-    ko, qk, vm = p["key_orthogonality"], p["qk_alignment"], p["value_manifold"]
-    fp = p.get("frame_precision", {})
-    row = {
-      "run": name,
-      "task": ev.get("task"),
-      "mixer": ev.get("mixer"),
-      "step": ev.get("step"),
-      "kl_bits": ev["metrics"].get("kl_bits"),
-      "key_mean_abs_cos_layer0": ko["layer0"]["mean_abs_cos"],
-      "key_random_mean_abs_cos": ko["layer0"]["random_mean_abs_cos"],
-      "key_ratio_to_random_layer0": ko["layer0"]["ratio_to_random"],
-      "key_z_layer0": ko["layer0"]["z"],
-      "value_pc1_variance": vm["pc1_variance"],
-      "value_pc1_variance_random": vm["pc1_variance_random"],
-      "value_abs_corr_pc1_entropy": vm["abs_corr_pc1_entropy"],
-      "value_corr_null_mean": vm.get("null_mean"),
-      "value_corr_null_std": vm.get("null_std"),
-      "value_corr_z": vm.get("z"),
-      "value_abs_corr_within_position": vm["controls"]
-      .get("within_position", {})
-      .get("abs_corr_pc1_entropy"),
-      "value_abs_corr_new_keys_within_position": vm["controls"]
-      .get("new_keys_within_position", {})
-      .get("abs_corr_pc1_entropy"),
-      "frame_settled_step": fp.get("frame_settled_step"),
-      "manifold_settled_step": fp.get("manifold_settled_step"),
-      "frame_before_manifold": fp.get("frame_before_manifold"),
-    }
+    row = {"run": name, **{k: ev.get(k) for k in ("task", "mixer", "step")}}
+    row["kl_bits"] = ev["metrics"].get("kl_bits")
+    row.update({k: _get(p, path) for k, path in {**_KEY_COLUMNS, **_VALUE_COLUMNS}.items()})
+    qk = p["qk_alignment"]
     if "by_layer" in qk:
-      l = len(qk["by_layer"]) - 1
-      rec = qk["by_layer"][l]
-      m = _qk_measure(rec)
-      s = rec[f"{m}_slope" if m == "contrast" else "slope"]
-      w = rec.get(f"{m}_slope_within_position" if m == "contrast" else "slope_within_position")
-      row.update(
-        qk_layer=l,
-        qk_measure=m,
-        qk_slope=s["slope"],
-        qk_slope_null_std=s["null_std"],
-        qk_slope_z=s["z"],
-        qk_slope_p=s["p"],
-        qk_slope_within_position=None if w is None else w["slope"],
-        qk_slope_within_position_z=None if w is None else w["z"],
-      )
+      row["qk_layer"] = len(qk["by_layer"]) - 1
+      rec = qk["by_layer"][-1]
+      row["qk_measure"] = m = _qk_measure(rec)
+      s = rec["contrast_slope" if m == "contrast" else "slope"]
+      row.update({k: s[key] for k, key in _QK_COLUMNS.items()})
+      w = rec.get("contrast_slope_within_position" if m == "contrast" else "slope_within_position")
+      if w is not None:
+        row.update(zip(_QK_WITHIN, (w["slope"], w["z"])))
     rows.append({k: row.get(k) for k in CSV_FIELDS})
   return rows
 
