@@ -1,24 +1,10 @@
 """Posterior-fidelity metrics: how close a model's predictive distribution is to the exact one.
 
-Pure jnp, jit-safe. Shapes: `posterior [B,T,V]` (exact posterior over the whole vocabulary, as in
-wind-tunnel batches), `logits [B,T,V]`, `mask [B,T]` (1 where the position counts). All
-information quantities are in **bits**.
-
-- `kl_bits`: KL(posterior || model) per position, the primary metric. It sees probability the
-  model puts on impossible symbols, which the entropy gap cannot.
-- `entropy_gap_bits`: |H(posterior) - H(model)| per position (the wind-tunnel papers' metric).
-- `accuracy`: expected top-1 accuracy under the exact posterior, `posterior[argmax logits]`
-  (the mean over sampled targets, without their sampling noise); with `targets` it is the plain
-  `argmax logits == targets`.
-- `ece`: expected calibration error with `n_bins` equal-width confidence bins, confidence =
-  max model probability, correctness = `posterior[argmax logits]`.
-
-Each scalar is a mean over masked positions. The public functions are jitted (`n_bins` and
-`num_groups` static), so eager callers compile once; inside a caller's jit they inline. The `*_per_position` variants return a curve: the
-mean over the batch for each position index (`groups=None`, length T), or for each value of an
-integer `groups [B,T]` array such as the batch's `evidence` (bijection: number of distinct values
-revealed before the query; HMM: number of observations seen), length `num_groups`; groups with no
-masked position are NaN (`group_count` says how many positions each group has).
+Pure jnp, jit-safe, in **bits**. Shapes: `posterior [B,T,V]` (the exact posterior over the whole
+vocabulary, as in wind-tunnel batches), `logits [B,T,V]`, `mask [B,T]` (1 where a position
+counts). Scalars are means over masked positions; `*_per_position` curves are means per position
+index, or per value of an integer `groups [B,T]` such as `evidence`, NaN where a group is empty.
+docs/windtunnel_results.md ("What eval.json holds") defines each metric.
 """
 
 from __future__ import annotations
@@ -158,16 +144,6 @@ def ece(posterior, logits, mask, n_bins: int = 10) -> jax.Array:
 @functools.partial(jax.jit, static_argnames="num_groups")
 def kl_bits_per_position(posterior, logits, mask, groups=None, num_groups=None) -> jax.Array:
   return group_mean(kl_bits_pointwise(posterior, logits), mask, groups, num_groups)
-
-
-@functools.partial(jax.jit, static_argnames="num_groups")
-def entropy_gap_bits_per_position(posterior, logits, mask, groups=None, num_groups=None):
-  return group_mean(entropy_gap_bits_pointwise(posterior, logits), mask, groups, num_groups)
-
-
-@functools.partial(jax.jit, static_argnames="num_groups")
-def accuracy_per_position(posterior, logits, mask, groups=None, num_groups=None, targets=None):
-  return group_mean(correct_pointwise(posterior, logits, targets), mask, groups, num_groups)
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "n_bins"))
