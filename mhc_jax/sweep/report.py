@@ -164,16 +164,11 @@ def _reduce(records: list[dict[str, Any]], m: metrics.Metric, how: str, warmup: 
     return math.nan
   if how in ("first", "last"):
     return float(v[0 if how == "first" else -1])
-  if how == "final":
-    return final_loss_of(v)
+  if how == "final":  # the mean of the last ceil(n/20) values (at least one)
+    k = max(1, -(-len(v) // round(1 / FINAL_FRACTION)))
+    with np.errstate(invalid="ignore"):
+      return float(np.mean(v[-k:]))
   return -_nanmax(-v) if how == "min" else _nanmax(np.abs(v) if how == "absmax" else v)
-
-
-def final_loss_of(losses: np.ndarray) -> float:
-  """Mean of the last ``ceil(n/20)`` (>= 1) values: the ``final_loss`` column."""
-  k = max(1, -(-len(losses) // round(1 / FINAL_FRACTION)))
-  with np.errstate(invalid="ignore"):
-    return float(np.mean(losses[-k:])) if len(losses) else math.nan
 
 
 def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
@@ -792,14 +787,6 @@ def md_table(df: pd.DataFrame) -> str:
   return "\n".join(lines) + "\n"
 
 
-def shown_columns(table: pd.DataFrame) -> pd.DataFrame:
-  """``table`` without the :data:`OPTIONAL_COLUMNS` that no run has (attrs kept)."""
-  drop = [c for c in OPTIONAL_COLUMNS if c in table.columns and table[c].isna().all()]
-  out = table.drop(columns=drop)
-  out.attrs = dict(table.attrs)
-  return out
-
-
 def screen(sweep_dir: str | os.PathLike) -> str:
   """What a finished sweep prints: the runs' axes with the :data:`SCREEN_COLUMNS` some run has,
   the sentence, and where the full table is."""
@@ -966,7 +953,7 @@ def _page(sweep_dir, tabs, figures, paths, missing) -> str:
     f"**{finding(table)}**\n",
     "## Runs\n",
     "Composite gains, side by side: " + " ".join(COMPOSITE_SENTENCES.values()) + "\n",
-    md_table(shown_columns(table)),
+    md_table(table.drop(columns=[c for c in OPTIONAL_COLUMNS if table[c].isna().all()])),
   ]
   n_seeds = int(groups["n_seeds"].max()) if len(groups) else 0
   if n_seeds > 1 or len(paired):
