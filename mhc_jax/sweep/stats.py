@@ -35,7 +35,7 @@ ratio_mean ratio_ci_lo ratio_ci_hi significant""".split()
 
 
 def t_quantile(p: float, df: int) -> float:
-  """The ``p`` quantile of Student's t with ``df`` degrees of freedom (scipy)."""
+  """The ``p`` quantile of Student's t with ``df`` degrees of freedom (scipy, which jax requires)."""
   from scipy.stats import t
 
   return float(t.ppf(p, df))
