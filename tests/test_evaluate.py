@@ -234,3 +234,16 @@ def test_eval_on_the_object_store(bijection_run, gcs, monkeypatch, capsys):
   assert {p: p.read_bytes() for p in bijection_run.rglob("*") if p.is_file()} == local
   assert cli.main(["eval", "--run", f"{gcs}/runs/nope"]) == 2
   assert "does not exist" in capsys.readouterr().err
+
+
+def test_previous_occurrence_finds_the_latest_earlier_token():
+  """Bijection targets and the papers' q-k positions share one helper: for each asked position,
+  the latest earlier position (among `seen`) holding the same token, else -1."""
+  from mhc_jax.evaluate import previous_occurrence
+
+  inputs = np.array([[3, 1, 3, 3, 1, 2]])
+  seen = np.ones_like(inputs, bool)
+  np.testing.assert_array_equal(previous_occurrence(inputs, seen), [[-1, -1, 0, 2, 1, -1]])
+  ask = np.array([[0, 0, 0, 1, 1, 0]], bool)
+  seen2 = np.array([[1, 0, 1, 1, 1, 1]], bool)  # position 1 is not a key position
+  np.testing.assert_array_equal(previous_occurrence(inputs, seen2, ask), [[-1, -1, -1, 2, -1, -1]])

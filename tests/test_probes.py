@@ -447,3 +447,11 @@ def test_frame_precision_order():
   assert not late["frame_first"]
   with pytest.raises(ValueError):
     probes.frame_precision(steps[:2], frame[:2], prec[:2])
+
+
+def test_mean_by_group_empty_groups_are_nan():
+  """The one group-mean helper evaluate and the probes share: per-group means, NaN where a
+  group has no point, ids in [0, num_groups)."""
+  r = probes.mean_by_group(np.array([1.0, 3.0, 10.0]), np.array([0, 0, 2]), 4)
+  np.testing.assert_array_equal(r[[0, 2]], [2.0, 10.0])
+  assert np.isnan(r[1]) and np.isnan(r[3]) and r.shape == (4,)
