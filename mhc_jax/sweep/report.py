@@ -407,11 +407,8 @@ def groups_table(df: pd.DataFrame) -> pd.DataFrame:
   unit = "seed" if "seed" in df.columns else None
   stat_cols = [c for m in cols for c in (stats.centre(m, LOG_SCALE), f"{m}_ci_lo", f"{m}_ci_hi")]
   parts = []
-  for key, g in stats.split(df, gcols):
-    done = g[g["steps"] > 0]
-    row = stats.group_stats(done, [], cols, log_metrics=LOG_SCALE, unit_col=unit)
-    if not len(done):
-      row = pd.DataFrame([{"n_seeds": 0, "seeds": "", **{c: math.nan for c in stat_cols}}])
+  for key, g in stats.split(df, gcols):  # a group without metrics: n_seeds 0, NaNs
+    row = stats.group_stats(g[g["steps"] > 0], [], cols, log_metrics=LOG_SCALE, unit_col=unit)
     parts.append(row.assign(**dict(zip(gcols, key)), n_runs=len(g)))
   all_cols = [*gcols, "n_runs", "n_seeds", "seeds", *stat_cols]
   out = pd.concat(parts, ignore_index=True)[all_cols] if parts else pd.DataFrame(columns=all_cols)
