@@ -208,21 +208,21 @@ def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict
   return out
 
 
-def _read_config(run_dir) -> dict[str, Any]:
-  path = storage.path(run_dir) / "config.yaml"
-  if not path.exists():
-    return {}
+def read_config(run_dir) -> dict[str, Any]:
+  """The run's ``config.yaml`` flattened to dotted keys (``{}`` if missing or unreadable)."""
   import yaml
 
-  cfg = yaml.safe_load(path.read_text()) or {}
-  return flatten_dict(cfg) if isinstance(cfg, Mapping) else {"config": cfg}
-
-
-def _read_json(path) -> dict[str, Any]:
-  path = storage.path(path)
-  if not path.exists():
+  try:
+    cfg = yaml.safe_load((storage.path(run_dir) / "config.yaml").read_text())
+  except (OSError, yaml.YAMLError):
     return {}
-  return json.loads(path.read_text())
+  return flatten_dict(cfg) if isinstance(cfg, Mapping) else {}
+
+
+def read_json(path) -> dict[str, Any]:
+  """The JSON object in ``path``; ``{}`` when missing, not yet valid, or not an object."""
+  out = storage.read_json(path, {})
+  return out if isinstance(out, dict) else {}
 
 
 def _records_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -290,8 +290,8 @@ def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
   if long:
     df = _to_long(df)
   df.attrs = {
-    "config": _read_config(run_dir),
-    "summary": _read_json(run_dir / "summary.json"),
+    "config": read_config(run_dir),
+    "summary": read_json(run_dir / "summary.json"),
     "run_dir": str(run_dir),
   }
   return df
@@ -312,14 +312,23 @@ def load_events(run_dir: str | os.PathLike) -> pd.DataFrame:
 
 
 # =========================================================================== sweeps
-def _manifest_runs(sweep_dir) -> dict[str, dict[str, Any]]:
-  manifest = _read_json(sweep_dir / "manifest.json")
-  if not manifest:
-    raise FileNotFoundError(f"no manifest.json in {sweep_dir}")
-  runs = manifest.get("runs", {})
-  if isinstance(runs, list):  # tolerate [{"name": ..., ...}]
-    runs = {r["name"]: r for r in runs}
-  return runs
+def sweep_runs(sweep_dir) -> dict[str, dict[str, Any]]:
+  """``{name: {"status", "overrides", "dir"}}`` of a sweep's ``manifest.json``, or a one-run
+  table for a bare run directory (``dir`` ``.``); FileNotFoundError for anything else."""
+  sweep_dir = storage.path(sweep_dir)
+  if (sweep_dir / "manifest.json").exists():
+    runs = read_json(sweep_dir / "manifest.json").get("runs", {})
+    return {r["name"]: r for r in runs} if isinstance(runs, list) else dict(runs)
+  if (sweep_dir / "metrics.jsonl").exists() or (sweep_dir / "config.yaml").exists():
+    status = read_json(sweep_dir / "summary.json").get("status") or "running"
+    return {dir_name(sweep_dir): {"status": status, "overrides": {}, "dir": "."}}
+  raise FileNotFoundError(f"{sweep_dir}: neither a sweep (manifest.json) nor a run directory")
+
+
+def dir_name(p) -> str:
+  """The directory's own name (a local path resolved first: ``.`` names its folder)."""
+  p = storage.path(p)
+  return p.resolve().name if storage.is_local(p) else p.name
 
 
 def _axis_names(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
@@ -355,7 +364,7 @@ def load_sweep(sweep_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame
   import pandas as pd
 
   sweep_dir = storage.path(sweep_dir)
-  runs = _manifest_runs(sweep_dir)
+  runs = sweep_runs(sweep_dir)
   frames: dict[str, pd.DataFrame] = {}
   for name, info in runs.items():
     rdir = sweep_dir / (info.get("dir") or name)
@@ -386,7 +395,7 @@ def load_summaries(sweep_dir: str | os.PathLike) -> pd.DataFrame:
   import pandas as pd
 
   sweep_dir = storage.path(sweep_dir)
-  runs = _manifest_runs(sweep_dir)
+  runs = sweep_runs(sweep_dir)
   axes = _axis_names(runs)
   front = ["run", "status", *axes]
   rows = []
@@ -394,7 +403,7 @@ def load_summaries(sweep_dir: str | os.PathLike) -> pd.DataFrame:
     overrides = info.get("overrides") or {}
     row: dict[str, Any] = {"run": name, "status": info.get("status")}
     row.update({k: overrides.get(k) for k in axes})
-    summary = flatten_dict(_read_json(sweep_dir / (info.get("dir") or name) / "summary.json"))
+    summary = flatten_dict(read_json(sweep_dir / (info.get("dir") or name) / "summary.json"))
     row.update({(f"summary.{k}" if k in front else k): v for k, v in summary.items()})
     rows.append(row)
   df = pd.DataFrame(rows) if rows else pd.DataFrame(columns=front)

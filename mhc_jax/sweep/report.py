@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from mhc_jax import metrics, storage
+from mhc_jax import logs, metrics, storage
 from mhc_jax.logs import flatten_dict, load_events, load_run, read_jsonl
 from mhc_jax.spikes import lr_sensitivity
 from mhc_jax.storage import Path
@@ -142,11 +142,6 @@ def _nanmax(a: np.ndarray) -> float:
   return float(np.nanmax(a)) if a.size and not np.isnan(a).all() else math.nan
 
 
-def _read_json(p: Path) -> dict[str, Any]:
-  out = storage.read_json(p, {})
-  return out if isinstance(out, dict) else {}
-
-
 def _reduce(records: list[dict[str, Any]], m: metrics.Metric, how: str, warmup: int) -> float:
   """Metric ``m`` reduced over training as ``how`` says (:data:`mhc_jax.metrics.REDUCTIONS`)."""
   if m.shape == "scalar":
@@ -181,9 +176,9 @@ def _summarize(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
   records = _merged(run_dir / "metrics.jsonl")
   events = load_events(run_dir)
   kinds = events["kind"].astype(str)
-  status = _read_json(run_dir / "summary.json").get("status")
+  status = logs.read_json(run_dir / "summary.json").get("status")
   loss_steps, losses = _scalars(records, "loss")
-  warmup = _read_config(run_dir).get("optim.warmup_steps") or 0
+  warmup = logs.read_config(run_dir).get("optim.warmup_steps") or 0
   out: dict[str, Any] = {"status": status, "steps": int(records[-1]["step"]) if records else 0}
   out["spike_count"] = int(kinds.str.startswith("spike/").sum())
   for m in metrics.METRICS:
@@ -216,7 +211,7 @@ def _summarize(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
 
 def eval_columns(run_dir: str | os.PathLike) -> dict[str, float]:
   """The ``eval_*`` / ``probe_*`` columns from ``run_dir/eval.json`` (NaN where absent)."""
-  ev = _read_json(storage.path(run_dir) / "eval.json")
+  ev = logs.read_json(storage.path(run_dir) / "eval.json")
   out = {}
   for col, (section, probe, field) in _EVAL_FIELDS.items():
     d = ev.get(section)
@@ -228,22 +223,6 @@ def eval_columns(run_dir: str | os.PathLike) -> dict[str, float]:
 
 
 # =========================================================================== a sweep
-def _sweep_runs(sweep_dir: Path) -> dict[str, dict[str, Any]]:
-  """The manifest's runs, or a one-run manifest for a bare run directory."""
-  if (sweep_dir / "manifest.json").exists():
-    runs = json.loads((sweep_dir / "manifest.json").read_text()).get("runs", {})
-    return {r["name"]: r for r in runs} if isinstance(runs, list) else dict(runs)
-  if (sweep_dir / "metrics.jsonl").exists() or (sweep_dir / "config.yaml").exists():
-    status = _read_json(sweep_dir / "summary.json").get("status") or "running"
-    return {_name(sweep_dir): {"status": status, "overrides": {}, "dir": "."}}
-  raise FileNotFoundError(f"{sweep_dir}: neither a sweep (manifest.json) nor a run directory")
-
-
-def _name(p: Path) -> str:
-  """The directory's own name (a local path resolved first: ``.`` names its folder)."""
-  return p.resolve().name if storage.is_local(p) else p.name
-
-
 def _axis_columns(keys: list[str]) -> dict[str, str]:
   """Dotted override keys -> short column names (canonical role names, else the last part;
   the full key where that would collide with another axis or a table column)."""
@@ -263,17 +242,6 @@ def _axis_columns(keys: list[str]) -> dict[str, str]:
   return {k: cols[k] for k in keys}
 
 
-def _read_config(run_dir: Path) -> dict[str, Any]:
-  """The run's config.yaml, flattened to dotted keys ({} if missing or unreadable)."""
-  import yaml
-
-  try:
-    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-  except (OSError, yaml.YAMLError):
-    return {}
-  return flatten_dict(cfg) if isinstance(cfg, Mapping) else {}
-
-
 def _cell(v: Any) -> Any:
   return json.dumps(v) if isinstance(v, (list, dict, tuple)) else v
 
@@ -282,11 +250,11 @@ def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:
   """One row per run: ``run``, the sweep axes, the roles from config.yaml, the :data:`COLUMN_DOCS`
   columns (docs/sweeps.md); ``attrs``: axes, id_columns, run_dirs, sweep_dir, not_logged."""
   sweep_dir = storage.path(sweep_dir)
-  runs = _sweep_runs(sweep_dir)
+  runs = logs.sweep_runs(sweep_dir)
   keys = dict.fromkeys(k for info in runs.values() for k in info.get("overrides") or {})
   axes = _axis_columns(list(keys))
   dirs = {n: sweep_dir / (info.get("dir") or n) for n, info in runs.items()}
-  cfgs = {n: _read_config(d) for n, d in dirs.items()}
+  cfgs = {n: logs.read_config(d) for n, d in dirs.items()}
   known = {k for cfg in cfgs.values() for k in cfg}
   roles = [r for r, k in _CONFIG_KEYS.items() if k in known and r not in axes.values()]
   records, not_logged = [], {}
@@ -943,7 +911,7 @@ def _page(sweep_dir, tabs, figures, paths, missing) -> str:
   status = ", ".join(f"{v} {k}" for k, v in table["status"].value_counts().items()) or "no runs"
   axes = table.attrs["axes"]
   md = [
-    f"# Sweep report: {_name(sweep_dir)}\n",
+    f"# Sweep report: {logs.dir_name(sweep_dir)}\n",
     f"{len(table)} runs ({status}). Sweep axes: "
     + (", ".join(f"{c} ({k})" for k, c in axes.items()) or "none")
     + ".\n",
