@@ -259,23 +259,25 @@ def _validated(
   fault (the one the error names, else the one without which the config is valid); where no
   override is at fault, `base_label` (if given) is named instead."""
 
-  def check(ov):
+  def check(ov: Mapping) -> Config:
     cfg = from_dict(apply_overrides(base, ov))
     check_paths(cfg)
     return cfg
+
+  def valid_without(k: str) -> bool:
+    try:
+      check({kk: v for kk, v in overrides.items() if kk != k})
+      return True
+    except ConfigError:
+      return False
 
   try:
     return check(overrides)
   except ConfigError as e:
     err = e
   k = _blame(err, overrides)
-  for other in overrides if k is None else ():
-    try:
-      check({kk: vv for kk, vv in overrides.items() if kk != other})
-    except ConfigError:
-      continue
-    k = other
-    break
+  if k is None:
+    k = next((kk for kk in overrides if valid_without(kk)), None)
   if k is None and base_label is not None:
     raise ConfigError(f"{base_label}: {err}") from None
   k = next(iter(overrides), None) if k is None else k

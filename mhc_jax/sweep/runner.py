@@ -132,17 +132,18 @@ def plan(sweep: grid.Sweep, out_dir) -> tuple[dict, list[str], list[str]]:
 def _locked(run_dirs: list, say=print):
   """Hold every run directory's lock (process 0), waiting while another trainer has one."""
   with contextlib.ExitStack() as stack:
-    for d in run_dirs if dist.is_main() else ():
-      told = False
-      while True:
-        try:
-          stack.enter_context(rundir.Lock(d))
-          break
-        except RunLocked as e:
-          if not told:
-            say(f"waiting: {e}")
-          told = True
-          time.sleep(5.0)
+    if dist.is_main():
+      for d in run_dirs:
+        told = False
+        while True:
+          try:
+            stack.enter_context(rundir.Lock(d))
+            break
+          except RunLocked as e:
+            if not told:
+              say(f"waiting: {e}")
+              told = True
+            time.sleep(5.0)
     yield
 
 
@@ -158,10 +159,11 @@ def train_unit(setups: dict, run_dirs: dict, progress: bool = False, say=print) 
     live = [n for n in setups if run_status(dirs[n])[0] == "pending"]  # another may have ended it
     fresh = [n for n in live if not rundir.checkpoint_steps(dirs[n])]
     dist.sync("sweep: run directories read")
-    for n in fresh if dist.is_main() else ():
-      for p in dirs[n].iterdir() if dirs[n].exists() else ():
-        if p.name != rundir.LOCK_NAME:
-          p.rmtree() if p.is_dir() else p.unlink()
+    for n in fresh:
+      if dist.is_main() and dirs[n].exists():
+        for p in dirs[n].iterdir():
+          if p.name != rundir.LOCK_NAME:
+            p.rmtree() if p.is_dir() else p.unlink()
     dist.sync("sweep: run directories cleared")
     for n in live:  # the jobs' logs count these
       say(f"{n}: training from step {max(rundir.checkpoint_steps(dirs[n]), default=0)}")
@@ -260,9 +262,9 @@ def _gpu_ids() -> list[int]:
   if raw is not None:
     return [int(g) for g in raw.split(",") if g.strip().isdigit()]
   smi = shutil.which("nvidia-smi")
-  out = (
-    subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout if smi else ""
-  )
+  if not smi:
+    return []
+  out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout
   return list(range(sum(line.startswith("GPU ") for line in out.splitlines())))
 
 
@@ -368,8 +370,9 @@ def _run_jobs(sweep, out_dir, units, k, kind, params, say, progress) -> bool:
         try:
           job.result()
         except Exception as e:  # noqa: BLE001 - a crashed or killed job fails its runs only
-          for n in unit if not stop else ():
-            _fail(out_dir / "runs" / n, _job_error(job, e))
+          if not stop:  # a signal stopped it: its runs resume on the next command
+            for n in unit:
+              _fail(out_dir / "runs" / n, _job_error(job, e))
         for n in unit:
           say(n, _result(out_dir / "runs" / n, time.time() - t0), bar.write)
         bar.update(len(unit))

@@ -417,7 +417,8 @@ def from_dict(d: Mapping | None) -> Config:
       raise _unknown_key("", k, _TOP_KEYS)
   kwargs: dict[str, Any] = {k: d[k] for k in d if k == "name"}
   for key, cls in SECTIONS.items():
-    sub, retired = d.get(key) or {}, _RETIRED.get(key, {})  # `model:` alone is None
+    sub = d.get(key) or {}  # absent, or `model:` with nothing under it
+    retired = _RETIRED.get(key, {})
     if not isinstance(sub, Mapping):
       raise ConfigError(f"{key}: expected a mapping, got {_show(sub)}")
     for k, v in sub.items():
