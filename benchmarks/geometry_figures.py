@@ -34,7 +34,7 @@ def parse_runs(items: list[str]) -> dict[str, Path]:
 
 
 def load_eval(run: Path) -> dict:
-  from mhc_jax import evaluate
+  from mhc_jax import evaluate, storage
 
   f = run / "eval.json"
   if f.is_file():
@@ -42,7 +42,7 @@ def load_eval(run: Path) -> dict:
     if ev.get("probes", {}).get("paper"):
       return ev
   ev = evaluate.evaluate_run(run)
-  evaluate.write_json_atomic(f, ev)
+  storage.write_json_atomic(f, ev)
   return json.loads(f.read_text())
 
 

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax import evaluate
+from mhc_jax import evaluate, storage
 from mhc_jax.baselines import WindowMLP, match_width, param_count, window_mlp_param_count
 from mhc_jax.train import config as C
 from mhc_jax.train.loop import host_batch, prepare, train
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
   t_train = time.perf_counter() - t0
   t1 = time.perf_counter()
   ev = evaluate.evaluate_run(run_dir, args.eval_batches)
-  evaluate.write_json_atomic(run_dir / "eval.json", ev)
+  storage.write_json_atomic(run_dir / "eval.json", ev)
   t_eval = time.perf_counter() - t1
   tm = ev["metrics"]
   n_tr = int(summary["params"]["total"])
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     + " ".join(f"{x:.3f}" for x in np.asarray(tm["by_evidence"]["kl_bits"])[:21])
   )
   out.mkdir(parents=True, exist_ok=True)
-  evaluate.write_json_atomic(out / "windtunnel_kl.json", result)
+  storage.write_json_atomic(out / "windtunnel_kl.json", result)
   print(f"total wall time {result['total_wall_s']:.0f}s; results: {out / 'windtunnel_kl.json'}")
   return 0
 

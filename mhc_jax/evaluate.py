@@ -711,9 +711,6 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
   return result
 
 
-write_json_atomic = storage.write_json_atomic  # the one writer (numpy values made plain there)
-
-
 def summary_lines(r: dict) -> list[str]:
   """The few lines ``mhc-jax eval`` prints about an eval.json dict."""
   m = r["metrics"]
