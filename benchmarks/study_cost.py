@@ -100,7 +100,7 @@ def measure(study: Path, steps: int, warmup: int, sets: list[str]) -> dict | Non
   if found is None:
     return None
   path, study_sets, variant = found
-  sweep = grid.load_sweep(path, study_sets, variant=variant)
+  sweep = grid.read_sweep(path, study_sets, variant=variant)
   vocab = None  # the data's, the same for every run of a study; known once one is prepared
 
   def flops_per_step(c):

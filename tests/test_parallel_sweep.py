@@ -117,7 +117,7 @@ def test_slurm_without_sbatch_is_bad_input(tmp_path, capsys, monkeypatch):
 
 
 def test_mesh_is_checked_against_one_workers_devices(tmp_path):
-  sw = grid.load_sweep(
+  sw = grid.read_sweep(
     _tiny_file(tmp_path, "t", ["residual", "mhc"], set={"model.mixer_options": {}, "mesh.data": 4})
   )
   runner.check_runs(sw, 4)
@@ -130,7 +130,7 @@ def test_mesh_is_checked_against_one_workers_devices(tmp_path):
 
 
 def test_sweep_file_parallel_setting_is_read(tmp_path):
-  sw = grid.load_sweep(
+  sw = grid.read_sweep(
     _tiny_file(
       tmp_path,
       "t",
@@ -144,7 +144,7 @@ def test_sweep_file_parallel_setting_is_read(tmp_path):
   assert how.executor_options(None, None) == ("local", {})
   # the flag wins; the file's parameters were for another kind
   assert how.executor_options({"kind": "local", "visible_gpus": [0]}, "slurm") == ("slurm", {})
-  assert grid.load_sweep(_tiny_file(tmp_path, "u", ["residual"])).options == {}
+  assert grid.read_sweep(_tiny_file(tmp_path, "u", ["residual"])).options == {}
 
 
 def test_local_jobs_split_the_visible_gpus(monkeypatch):

@@ -170,7 +170,7 @@ def test_population_resumes_from_a_common_checkpoint(sweeps):
 
 
 def test_members_must_share_everything_but_the_population_keys(tmp_path):
-  sw = grid.load_sweep(_sweep(tmp_path, "x", LRS[:2], True))
+  sw = grid.read_sweep(_sweep(tmp_path, "x", LRS[:2], True))
   cfgs = [r.cfg for r in sw.runs]
   population.check_members(cfgs)  # lr differs: fine
   import dataclasses

@@ -29,7 +29,7 @@ def _sweep(tmp_path: Path, **kw) -> Path:
 
 
 def test_seeds_repeat_every_grid_point_as_one_population(tmp_path):
-  sw = grid.load_sweep(_sweep(tmp_path, seeds=3))
+  sw = grid.read_sweep(_sweep(tmp_path, seeds=3))
   assert sw.axes["train.seed"] == [0, 1, 2] and list(sw.axes)[-1] == "train.seed"
   assert "train.seed" in sw.population
   assert len(sw.runs) == 12
@@ -43,14 +43,14 @@ def test_seeds_repeat_every_grid_point_as_one_population(tmp_path):
 
 
 def test_seeds_start_at_the_base_seed_or_are_listed(tmp_path):
-  sw = grid.load_sweep(_sweep(tmp_path, seeds=2, set={"model.mixer_options": {}, "train.seed": 7}))
+  sw = grid.read_sweep(_sweep(tmp_path, seeds=2, set={"model.mixer_options": {}, "train.seed": 7}))
   assert sw.axes["train.seed"] == [7, 8]
-  sw = grid.load_sweep(_sweep(tmp_path, seeds=[3, 11]))
+  sw = grid.read_sweep(_sweep(tmp_path, seeds=[3, 11]))
   assert [r.cfg.train.seed for r in sw.runs[:2]] == [3, 11]
 
 
 def test_seeds_join_an_lr_population(tmp_path):
-  sw = grid.load_sweep(
+  sw = grid.read_sweep(
     _sweep(
       tmp_path,
       axes={"model.mixer": ["residual", "mhc"], "optim.lr": [1e-3, 1e-2]},
@@ -85,7 +85,7 @@ def test_seeds_join_an_lr_population(tmp_path):
 )
 def test_bad_seeds_name_the_key(tmp_path, kw, where):
   with pytest.raises(ConfigError) as e:
-    grid.load_sweep(_sweep(tmp_path, **kw))
+    grid.read_sweep(_sweep(tmp_path, **kw))
   assert where in str(e.value)
 
 

@@ -128,7 +128,7 @@ def test_a_sweep_on_the_object_store(gcs, tmp_path_factory, monkeypatch, capsys)
   import yaml
 
   from mhc_jax import cli
-  from mhc_jax.sweep import report, runner
+  from mhc_jax.sweep import report
   from mhc_jax.train import loop
 
   monkeypatch.setattr(loop, "Checkpoints", _FakeCheckpoints)
@@ -138,7 +138,7 @@ def test_a_sweep_on_the_object_store(gcs, tmp_path_factory, monkeypatch, capsys)
   monkeypatch.setattr(
     report, "write_report", lambda d: reported.append(d) or {"summary_md": f"{d}/report/summary.md"}
   )
-  monkeypatch.setattr(runner, "_print_table", lambda d: None)
+  monkeypatch.setattr(report, "screen", lambda d: "")
   f = tmp_path_factory.mktemp("gs_sweep") / "s.yaml"
   f.write_text(
     yaml.safe_dump(

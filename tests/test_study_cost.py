@@ -22,7 +22,7 @@ def test_every_study_names_a_gpu_variant_that_validates():
   for name in ("bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale.yaml", "bayes_thesis.yaml"):
     assert found[name] is not None, name
     path, sets, variant = found[name]
-    sweep = grid.load_sweep(path, sets, variant=variant)
+    sweep = grid.read_sweep(path, sets, variant=variant)
     assert max(r.cfg.model.width for r in sweep.runs) >= 256, name  # GPU-sized, not the CPU one
 
 

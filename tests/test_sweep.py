@@ -50,7 +50,7 @@ def _sweep(tmp_path: Path, **kw) -> Path:
 
 # =========================================================================== the grid
 def test_expand_names_order_and_overrides(tmp_path):
-  sw = grid.load_sweep(_sweep(tmp_path))
+  sw = grid.read_sweep(_sweep(tmp_path))
   assert [r.name for r in sw.runs] == [
     "mixer=residual,depth=1",
     "mixer=residual,depth=2",
@@ -63,7 +63,7 @@ def test_expand_names_order_and_overrides(tmp_path):
   assert r.cfg.model.width == 16  # from the base config
   assert sw.base_config["model"]["mixer_options"] == {}
   # --set applies after the file's `set`, to every run
-  sw = grid.load_sweep(_sweep(tmp_path, set={"train.steps": 7}), ["train.steps=3", "optim.lr=1e-2"])
+  sw = grid.read_sweep(_sweep(tmp_path, set={"train.steps": 7}), ["train.steps=3", "optim.lr=1e-2"])
   assert {(r.cfg.train.steps, r.cfg.optim.lr) for r in sw.runs} == {(3, 1e-2)}
 
 
@@ -73,7 +73,7 @@ def test_arm_axis_crosses_named_variants(tmp_path):
     "residual": {"model.mixer": "residual"},
     "mhc_sym": {"model.mixer": "mhc", "model.mixer_options": {"stream_init": "symmetric"}},
   }
-  sw = grid.load_sweep(
+  sw = grid.read_sweep(
     _sweep(tmp_path, axes={"arm": arms, "model.depth": [1, 2], "train.seed": [0, 1]}),
   )
   assert [r.name for r in sw.runs][:3] == [
@@ -90,19 +90,19 @@ def test_arm_axis_crosses_named_variants(tmp_path):
   }
   assert r.cfg.model.mixer_options == {"stream_init": "symmetric"}
   assert sw.run("arm=residual,depth=1,seed=0").cfg.model.mixer_options == {}
-  sw = grid.load_sweep(
+  sw = grid.read_sweep(
     _sweep(tmp_path, axes={"arm": arms, "train.seed": [0, 1]}, population=["train.seed"])
   )
   assert [len(g) for g in grid.population_groups(sw)] == [2, 2]
   regime = {"fast": {"optim.lr": 1e-2}, "slow": {"optim.lr": 1e-3, "optim.clip": 1.0}}
-  sw = grid.load_sweep(_sweep(tmp_path, axes={"arm": arms, "regime": regime}))
+  sw = grid.read_sweep(_sweep(tmp_path, axes={"arm": arms, "regime": regime}))
   assert sw.run("arm=residual,regime=slow").overrides == {
     "model.mixer": "residual",
     "optim.lr": 1e-3,
     "optim.clip": 1.0,
   }
   with pytest.raises(ConfigError, match="axes.b.y: sets optim.lr, which another axis sets too"):
-    grid.load_sweep(_sweep(tmp_path, axes={"a": regime, "b": {"y": {"optim.lr": 1.0}}}))
+    grid.read_sweep(_sweep(tmp_path, axes={"a": regime, "b": {"y": {"optim.lr": 1.0}}}))
 
 
 @pytest.mark.parametrize(
@@ -117,7 +117,7 @@ def test_arm_axis_crosses_named_variants(tmp_path):
 )
 def test_bad_arm_names_the_key(tmp_path, arm, where):
   with pytest.raises(ConfigError) as e:
-    grid.load_sweep(_sweep(tmp_path, axes={"arm": arm, "model.depth": [1]}))
+    grid.read_sweep(_sweep(tmp_path, axes={"arm": arm, "model.depth": [1]}))
   assert where in str(e.value)
 
 
@@ -140,7 +140,7 @@ def test_names_are_filesystem_safe_and_disambiguated():
 
 
 def test_population_groups(tmp_path):
-  sw = grid.load_sweep(
+  sw = grid.read_sweep(
     _sweep(
       tmp_path,
       axes={"model.mixer": ["residual", "mhc"], "optim.lr": [1e-3, 3e-3], "train.seed": [0, 1]},
@@ -175,19 +175,19 @@ def test_population_groups(tmp_path):
 )
 def test_bad_sweep_names_the_key(tmp_path, kw, where):
   with pytest.raises(ConfigError, match=None) as e:
-    grid.load_sweep(_sweep(tmp_path, **kw))
+    grid.read_sweep(_sweep(tmp_path, **kw))
   assert where in str(e.value)
 
 
 def test_eval_option_is_read(tmp_path):
-  assert grid.load_sweep(_sweep(tmp_path, eval=3)).options == {"eval": 3}
-  assert "eval" not in grid.load_sweep(_sweep(tmp_path)).options
+  assert grid.read_sweep(_sweep(tmp_path, eval=3)).options == {"eval": 3}
+  assert "eval" not in grid.read_sweep(_sweep(tmp_path)).options
 
 
 def test_culprit_is_the_axis_without_which_the_run_is_valid(tmp_path):
   # heads=3 is fine with width 18 (base heads 2 is not): the error must name axes.model.heads
   with pytest.raises(ConfigError) as e:
-    grid.load_sweep(
+    grid.read_sweep(
       _sweep(tmp_path, set={"model.rope": False}, axes={"model.width": [18], "model.heads": [3, 4]})
     )
   assert str(e.value).startswith("axes.model.heads: value 4 (run width=18,heads=4): model.heads")
@@ -208,7 +208,7 @@ def test_dry_run_params_and_flops(tmp_path, capsys):
   assert cli.main(["sweep", str(f), "--out", str(out), "--dry-run"]) == 0
   text = capsys.readouterr().out
   assert not out.exists()
-  sw = grid.load_sweep(f)
+  sw = grid.read_sweep(f)
   setups = grid.prepare_runs(sw)
   table = grid.dry_run_table(sw, setups)
   for r, row in zip(sw.runs, table.itertuples()):
@@ -226,7 +226,7 @@ def test_dry_run_params_and_flops(tmp_path, capsys):
 
 # =========================================================================== bookkeeping
 def test_manifest_written_atomically_and_readable(tmp_path):
-  sw = grid.load_sweep(_sweep(tmp_path))
+  sw = grid.read_sweep(_sweep(tmp_path))
   manifest, todo, notes = runner.plan(sw, tmp_path / "s")
   assert todo == [r.name for r in sw.runs] and not notes
   runner.write_manifest(tmp_path / "s", manifest)
@@ -302,7 +302,7 @@ def test_a_dead_job_leaves_a_failed_summary_saying_why(tmp_path):
 
 def test_changed_sweep_file(tmp_path):
   out = tmp_path / "s"
-  sw = grid.load_sweep(_sweep(tmp_path))
+  sw = grid.read_sweep(_sweep(tmp_path))
   manifest, _, _ = runner.plan(sw, out)
   rundir.write_summary(out / "runs" / "mixer=residual,depth=1", {"status": "done"})
   rundir.write_summary(
@@ -312,14 +312,14 @@ def test_changed_sweep_file(tmp_path):
   # a changed base value or a changed set of axis keys: refused, naming the key
   with pytest.raises(ConfigError, match=r"^optim.lr: changed from 0.003 to 0.01"):
     runner.plan(
-      grid.load_sweep(_sweep(tmp_path, set={"model.mixer_options": {}, "optim.lr": 1e-2})), out
+      grid.read_sweep(_sweep(tmp_path, set={"model.mixer_options": {}, "optim.lr": 1e-2})), out
     )
   with pytest.raises(ConfigError, match=r"^axes.optim.lr: a new axis"):
-    runner.plan(grid.load_sweep(_sweep(tmp_path, axes={**sw.axes, "optim.lr": [1e-3]})), out)
+    runner.plan(grid.read_sweep(_sweep(tmp_path, axes={**sw.axes, "optim.lr": [1e-3]})), out)
   with pytest.raises(ConfigError, match=r"^axes.model.depth: axis removed"):
-    runner.plan(grid.load_sweep(_sweep(tmp_path, axes={"model.mixer": ["mhc"]})), out)
+    runner.plan(grid.read_sweep(_sweep(tmp_path, axes={"model.mixer": ["mhc"]})), out)
   # a new value: only the new runs are added; a removed value's runs are kept
-  new = grid.load_sweep(
+  new = grid.read_sweep(
     _sweep(tmp_path, axes={"model.mixer": ["residual", "hc"], "model.depth": [1, 2]})
   )
   m, todo, notes = runner.plan(new, out)
@@ -521,6 +521,6 @@ SWEEP_FILES = sorted(
 
 @pytest.mark.parametrize("path", SWEEP_FILES, ids=lambda p: p.name)
 def test_every_shipped_sweep_file_expands_and_validates(path):
-  sweep = grid.load_sweep(path)
+  sweep = grid.read_sweep(path)
   assert len(sweep.runs) >= 2
   assert path.read_text().lstrip().startswith("#")  # the header says how to run it, its cost

@@ -177,7 +177,7 @@ def _count(v: Any, least: int = 1) -> bool:
   return isinstance(v, int) and not isinstance(v, bool) and v >= least
 
 
-def load_sweep(
+def read_sweep(
   path: str | os.PathLike | None = None,
   cli_set: Any = (),
   *,

@@ -287,19 +287,11 @@ def devices_per_job(k: int, kind: str, params: dict) -> tuple[int, list[list[int
 def check_runs(sweep: grid.Sweep, n_devices: int) -> None:
   """What ``train.loop.prepare`` checks, for a job with `n_devices` devices, without touching a
   device here (the jobs get them): data source options, vocabulary, the mesh."""
-  from mhc_jax import data
-  from mhc_jax.train.config import validate_mesh, with_data_vocab
+  from mhc_jax.train.config import validate_mesh
+  from mhc_jax.train.loop import check_data
 
   def check(cfg):
-    try:
-      source = data.make_source(
-        cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
-      )
-    except (ValueError, FileNotFoundError) as e:
-      raise ConfigError(f"data.options: {e}") from None
-    with_data_vocab(cfg, source.vocab_size)
-    if cfg.data.target == "posterior" and not source.has_posterior:
-      raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
+    check_data(cfg)
     validate_mesh(cfg.mesh, n_devices, cfg.data.batch_size)
 
   grid.prepare_runs(sweep, check, f" (each of the parallel jobs has {n_devices} device(s))")
@@ -413,7 +405,9 @@ def run_sweep(
     if dist.is_main() and (not index.exists() or (evals and posteval.pending(out_dir, manifest))):
       return _finish(out_dir, manifest, evals)
     if dist.is_main():
-      _print_table(out_dir)
+      from mhc_jax.sweep import report
+
+      print(report.screen(out_dir))
       print(f"report: {index}")
     return EXIT_FAILED if counts["failed"] else EXIT_OK
   how_ = f" as {executor} jobs, " + (f"up to {parallel} at once" if parallel else "all at once")
@@ -464,14 +458,6 @@ def run_sweep(
   return _finish(out_dir, manifest, evals)
 
 
-def _print_table(out_dir) -> None:
-  """The screen-sized summary (report.screen): the axes, a few columns, the sentence, and where
-  the full table is."""
-  from mhc_jax.sweep import report
-
-  print(report.screen(out_dir))
-
-
 def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
   """Write the manifest, evaluate the finished runs (the sweep's ``eval: N``), write the report,
   print the screen-sized summary and the page's path (process 0)."""
@@ -483,7 +469,7 @@ def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
   if evals:
     posteval.evaluate_runs(out_dir, manifest, evals, _say)
   paths = report.write_report(out_dir)
-  _print_table(out_dir)
+  print(report.screen(out_dir))  # the screen-sized summary; the full table is in the report
   print(f"report: {paths['summary_md']}", flush=True)
   failed = [n for n, i in manifest["runs"].items() if i["status"] == "failed"]
   if failed:
@@ -517,7 +503,7 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir) -> None:
 def main(args) -> int:
   """``mhc-jax sweep`` (args: sweep_file, out, set, variant, dry_run, quiet, parallel, executor,
   the dist flags)."""
-  sweep = grid.load_sweep(args.sweep_file, args.set or [], variant=args.variant)
+  sweep = grid.read_sweep(args.sweep_file, args.set or [], variant=args.variant)
   parallel = how.parse_parallel(args.parallel) if args.parallel else sweep.options.get("parallel")
   raw = sweep.options.get("executor")
   kind, params = how.executor_options(raw, args.executor)

@@ -49,12 +49,9 @@ class Setup:
   mesh: jax.sharding.Mesh
 
 
-def prepare(cfg: Config, devices=None) -> Setup:
-  """Everything that can fail on bad input, before any file is written (ConfigError).
-
-  ``devices``: the devices the mesh spans (default all, ``jax.devices()``), e.g.
-  ``jax.devices()[:1]`` for a one-device run in a process that has more.
-  """
+def check_data(cfg: Config) -> tuple[Config, object]:
+  """``(cfg with the source's vocabulary, source)``: the data checks, touching no device
+  (ConfigError naming ``data.options`` / ``data.target``)."""
   try:
     source = data.make_source(
       cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
@@ -64,6 +61,16 @@ def prepare(cfg: Config, devices=None) -> Setup:
   cfg = with_data_vocab(cfg, source.vocab_size)
   if cfg.data.target == "posterior" and not source.has_posterior:
     raise ConfigError("data.target: 'posterior' needs a task with an exact posterior")
+  return cfg, source
+
+
+def prepare(cfg: Config, devices=None) -> Setup:
+  """Everything that can fail on bad input, before any file is written (ConfigError).
+
+  ``devices``: the devices the mesh spans (default all, ``jax.devices()``), e.g.
+  ``jax.devices()[:1]`` for a one-device run in a process that has more.
+  """
+  cfg, source = check_data(cfg)
   if cfg.train.eval_every:
     try:
       source.batch(0, cfg.data.batch_size, "validation")
