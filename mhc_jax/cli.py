@@ -127,9 +127,7 @@ def cmd_report(args) -> int:
   if not path.is_dir():
     raise UsageError(f"report: {path} is not a directory")
   paths = rep.write_report(path, args.out)
-  table = rep.summary_table(path)
-  print(table.to_string(index=False))
-  print(rep.finding(table))
+  print(rep.screen(path, args.out))
   print(f"report: {paths['summary_md']}")
   return 0
 

@@ -23,6 +23,7 @@ from mhc_jax.sweep.report import (
   finding,
   lr_sensitivity_table,
   paired_table,
+  screen,
   summarize_run,
   summary_table,
   write_report,
@@ -1051,6 +1052,21 @@ def test_a_report_on_the_object_store(gcs, tmp_path_factory, capsys):
   capsys.readouterr()
   assert cli.main(["report", f"{gcs}/sw"]) == 0  # the command, as a user types it
   assert capsys.readouterr().out.endswith(f"report: {gcs}/sw/report/summary.md\n")
+
+
+def test_report_command_prints_the_screen_table(tmp_path, capsys):
+  """``mhc-jax report`` prints what a finished sweep prints (the screen-sized table, the
+  sentence, where the full CSV is: under ``--out`` when given), not every column."""
+  from mhc_jax import cli
+
+  sweep = _small_sweep(tmp_path / "sw", ("residual", "hc"))
+  capsys.readouterr()
+  assert cli.main(["report", str(sweep), "--out", str(tmp_path / "rep")]) == 0
+  out = capsys.readouterr().out
+  assert out.startswith(screen(sweep, tmp_path / "rep").split("\n")[0])
+  assert f"Every column, with its definition: {tmp_path / 'rep' / 'summary.csv'}" in out
+  assert "amax_bwd_composite_tok_max_max" not in out  # a column of the full table only
+  assert out.endswith(f"report: {tmp_path / 'rep' / 'summary.md'}\n")
 
 
 def test_finding_says_who_diverged_first():

@@ -752,13 +752,13 @@ def md_table(df: pd.DataFrame) -> str:
   return "\n".join(lines) + "\n"
 
 
-def screen(sweep_dir: str | os.PathLike) -> str:
+def screen(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> str:
   """What a finished sweep prints: the runs' axes with the :data:`SCREEN_COLUMNS` some run has,
-  the sentence, and where the full table is."""
+  the sentence, and where the full table is (``out_dir``, default ``SWEEP_DIR/report``)."""
   table = summary_table(sweep_dir)
   ids = [c for c in table.attrs["id_columns"] if c != "run" and c in table.attrs["axes"].values()]
   shown = [c for c in SCREEN_COLUMNS if table[c].notna().any() or c == "status"]
-  out = storage.path(sweep_dir) / "report" / "summary.csv"
+  out = storage.path(out_dir or storage.path(sweep_dir) / "report") / "summary.csv"
   return (
     md_table(table[(ids or ["run"]) + shown])
     + finding(table)
