@@ -283,7 +283,7 @@ def test_mix_kernel_switch(monkeypatch):
     traced("fast")
 
 
-@pytest.mark.parametrize("mixer", ["hc", "mhc", "mhc_identity"])
+@pytest.mark.parametrize("mixer", ["hc", "mhc"])
 def test_model_same_under_both_mix_kernels(monkeypatch, mixer):
   """A whole model's loss and gradients are the same (to float32 rounding) whether its streams
   are mixed by the einsums or by the CPU kernel."""
@@ -294,13 +294,12 @@ def test_model_same_under_both_mix_kernels(monkeypatch, mixer):
   model = Transformer(ModelConfig(vocab=32, width=16, depth=2, heads=2, mixer=mixer))
   tok = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 0, 32)
   params = model.init(jax.random.PRNGKey(1), tok)["params"]
-
-  def loss(p):
-    logits = model.apply({"params": p}, tok)[0]
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-
   out = {}
   for kind in ("einsum", "cpu"):
     monkeypatch.setattr(base, "MIX_KERNEL", kind)
-    out[kind] = jax.value_and_grad(loss)(params)
+
+    def loss(p):  # a new function per kind: jit caches traces by function
+      return jnp.mean(jax.nn.log_softmax(model.apply({"params": p}, tok)[0])[..., 0])
+
+    out[kind] = jax.jit(jax.value_and_grad(loss))(params)
   chex.assert_trees_all_close(out["einsum"], out["cpu"], rtol=1e-5, atol=1e-6)
