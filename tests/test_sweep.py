@@ -179,6 +179,15 @@ def test_bad_sweep_names_the_key(tmp_path, kw, where):
   assert where in str(e.value)
 
 
+@pytest.mark.parametrize("text", ["", "# nothing yet\n", "[1, 2]\n"])
+def test_an_empty_or_non_mapping_sweep_file_is_an_error(tmp_path, text):
+  """A sweep file with no sweep in it is a mistake, not a default run."""
+  f = tmp_path / "empty.yaml"
+  f.write_text(text)
+  with pytest.raises(ConfigError, match="empty.yaml"):
+    grid.read_sweep(f)
+
+
 def test_eval_option_is_read(tmp_path):
   assert grid.read_sweep(_sweep(tmp_path, eval=3)).options == {"eval": 3}
   assert "eval" not in grid.read_sweep(_sweep(tmp_path)).options

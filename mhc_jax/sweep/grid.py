@@ -190,6 +190,8 @@ def read_sweep(
   sweep_path = Path(path).resolve() if path is not None else None
   if data is None:
     data = read_yaml(sweep_path or "-", f"sweep file {path}")
+    if not data:
+      raise ConfigError(f"sweep file {path}: empty (expected keys from {', '.join(SWEEP_KEYS)})")
   if not isinstance(data, Mapping):
     raise ConfigError(f"sweep file {path}: expected a mapping with keys {', '.join(SWEEP_KEYS)}")
   for k in data:
