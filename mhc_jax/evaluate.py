@@ -19,12 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mhc_jax import data, posterior as P, probes, storage
+from mhc_jax import posterior as P, probes, storage
 from mhc_jax.errors import ConfigError, UsageError
 from mhc_jax.model import Transformer
 from mhc_jax.train import checkpoint, sharding as sh
-from mhc_jax.train.config import MeshConfig, load_config, with_data_vocab
-from mhc_jax.train.loop import host_batch
+from mhc_jax.train.config import MeshConfig, load_config
+from mhc_jax.train.loop import check_data, host_batch
 from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import abstract_state, state_shardings
 from mhc_jax.train.step import token_loss
@@ -90,13 +90,7 @@ def _open_run(run: Path):
     cfg = load_config(run / "config.yaml")
   except ConfigError as e:
     raise ConfigError(f"{run / 'config.yaml'}: {e}") from None
-  try:
-    source = data.make_source(
-      cfg.data.task, seq_len=cfg.data.seq_len, seed=cfg.train.seed, **cfg.data.options
-    )
-  except (ValueError, FileNotFoundError) as e:
-    raise ConfigError(f"data.options: {e}") from None
-  cfg = with_data_vocab(cfg, source.vocab_size)
+  cfg, source = check_data(cfg)
   try:  # the run's mesh when it fits this machine's devices, else a single-device one
     mesh = sh.make_mesh(cfg.mesh, cfg.data.batch_size)
   except ConfigError:
