@@ -1,27 +1,6 @@
 """Populations: runs that differ only in ``optim.lr``, ``train.seed`` and/or ``model.init_scale``
-trained together as one jitted program, ``jax.vmap`` over parameters and optimiser state.
-
-The population step is ``train.step.make_train_step`` itself, vmapped: each member builds its
-optimiser with ``make_optimizer(..., lr=<its traced lr>)``, so a member's update is exactly the
-one its separate run would make (up to float rounding of a traced rather than constant lr).
-The non-finite skip of the step (``jnp.where(finite, new, old)``) is per member under vmap,
-and nothing in the step reduces over members, so a member that goes non-finite leaves the
-others' numbers unchanged. A member halted by policy (``train.nonfinite=halt`` or
-``train.halt_on_divergence``) is frozen (its state is no longer updated) while the others go on.
-
-Members share one batch when they share ``train.seed`` (the data seed); otherwise each gets its
-own batches, stacked along a leading member axis. Parameters and optimiser state carry a
-leading, unsharded member axis on top of the run's own shardings (the config's mesh).
-
-A population is trained by the same engine as a single run (``train.loop.run_members``), so
-every member is logged into its own run directory exactly as a run is (``config.yaml``,
-``metrics.jsonl``, ``events.jsonl``, ``summary.json`` with an extra ``population`` field,
-``checkpoints/`` holding that member's own state): the report and the notebooks cannot tell
-them apart and ``mhc-jax train --out MEMBER_DIR --resume`` can continue a member alone. A
-population resumes from the newest checkpoint step all members have.
-
-Compiled programs are cached per (shared config, population size, batch layout): populations
-of the same shapes (another lr grid, other seeds) reuse them.
+trained together as one jitted program, ``jax.vmap`` over parameters and optimiser state, by the
+engine of a single run (``train.loop.run_members``); docs/interfaces.md, "Training engine".
 """
 
 from __future__ import annotations
@@ -30,19 +9,18 @@ import dataclasses
 import json
 from typing import Sequence
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mhc_jax import logs, rundir
+from mhc_jax import logs
 from mhc_jax.model import Transformer, count_params
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.config import Config, ConfigError, to_dict
 from mhc_jax.train.loop import Setup, host_batch, mean_over_batches, run_members
 from mhc_jax.train.optim import make_optimizer
-from mhc_jax.train.state import State, abstract_state, state_shardings
+from mhc_jax.train.state import State, abstract_state, init_fn, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
 
 # ------------------------------------------------------------------------------------------
@@ -100,18 +78,7 @@ class Programs:
   _inits: dict = dataclasses.field(default_factory=dict)
 
   def _init_fn(self, model_cfg):
-    model = Transformer(model_cfg)
-
-    def init(key):
-      params = nn.meta.unbox(model.init(key, self.example))
-      return State(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        opt_state=self.tx.init(params),
-        nonfinite=jnp.zeros((), jnp.int32),
-      )
-
-    return init
+    return init_fn(Transformer(model_cfg), self.example, self.tx)
 
   def init(self, cfg: Config):
     """One member's fresh state (as create_state makes it), compiled once per init_scale."""
@@ -134,11 +101,6 @@ class Programs:
 
 
 _CACHE: dict = {}
-
-
-def _batch_spec(stacked: bool, shape, mesh) -> NamedSharding:
-  spec = P(None, sh.BATCH) if stacked else P(sh.BATCH)
-  return NamedSharding(mesh, sh.fit_spec(spec, shape, mesh))
 
 
 def _member(tree, i: int):
@@ -195,18 +157,8 @@ def put_batches(batches: list[dict], mesh, stacked: bool) -> dict:
   """Host batches (this process's rows) on the mesh: one shared batch, or stacked [P, B, ...]."""
   if not stacked:
     return sh.put_batch(batches[0], mesh)
-  out = {}
-  n_proc = jax.process_count()
-  for k in batches[0]:
-    x = np.stack([np.asarray(b[k]) for b in batches])
-    if n_proc == 1:
-      out[k] = jax.device_put(x, _batch_spec(True, x.shape, mesh))
-    else:
-      shape = (x.shape[0], x.shape[1] * n_proc) + x.shape[2:]
-      out[k] = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P(None, sh.BATCH)), x, shape
-      )
-  return out
+  stack = {k: np.stack([np.asarray(b[k]) for b in batches]) for k in batches[0]}
+  return sh.put_batch(stack, mesh, stacked=True)
 
 
 # ------------------------------------------------------------------------------------------
@@ -280,7 +232,3 @@ def train_population(
     {"population": {"size": program.n, "index": i, "members": members}} for i in range(program.n)
   ]
   return run_members(program, program.cfgs, run_dirs, resume=resume, progress=progress, extra=extra)
-
-
-# The sweep runner's name for rundir.checkpoint_steps, until it imports that directly.
-_ckpt_steps = rundir.checkpoint_steps

@@ -13,15 +13,8 @@ from mhc_jax import storage
 
 @functools.cache
 def _single_replica_saves_on_one_cpu_process() -> None:
-  """Save each array shard from one replica when one CPU process holds every device.
-
-  Orbax's default on the CPU is replica-parallel saving: each replica of a shard writes a
-  slice of it, cut on its device by a compiled ``slice`` program per device and shard shape
-  (an 8-device mesh: ~64 compiles, ~1.7 s, on a run's first save). With every replica in this
-  process's memory the slicing only costs; orbax's GPU default (and any multi-process or
-  accelerator run here) keeps its own setting. The handler is orbax's own array handler with
-  that one option changed (its metadata store is orbax's default, from an internal module:
-  without it the option is left alone)."""
+  """Save each array shard from one replica when one CPU process holds every device (why:
+  docs/interfaces.md, "Training engine"); needs orbax's internal default metadata store."""
   if jax.process_count() != 1 or jax.default_backend() != "cpu":
     return
   try:

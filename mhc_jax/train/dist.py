@@ -72,11 +72,8 @@ def sync(name: str) -> None:
 
 
 def preemption_check():
-  """Several processes must save a SIGTERM checkpoint at the same step, or the first one to
-  save waits in the save for the others while they wait in the next step for it. There, JAX's
-  preemption service (it catches SIGTERM on every process) picks a step all of them reach:
-  returns ``step -> bool``, to be called at every step. None in a single process (a plain
-  SIGTERM handler does) or when the service is off."""
+  """``step -> bool``: the SIGTERM step all processes agree on (JAX's preemption service), so
+  that they save the same checkpoint; None in one process or when the service is off."""
   import jax
 
   if jax.process_count() == 1 or not jax.config.jax_enable_preemption_service:

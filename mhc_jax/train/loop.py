@@ -1,20 +1,7 @@
 """The training engine: one loop for a single run and for a population of runs.
 
-``prepare(cfg)`` validates everything that can be validated before a file is written (data
-source options, vocabulary, the validation split, mixer options the types cannot check, mesh
-vs devices). ``train(setup, run_dir, resume)`` trains one run; ``sweep.population`` trains
-several as one vmapped program through the same :func:`run_members`: a *program* (how the state
-is made, stepped, evaluated and split into members) and one :class:`~mhc_jax.train.recorder.
-Recorder` per member (its run directory: logs, events, rules, summary).
-
-Per step: dispatch step ``i``, then fetch and record step ``i-1`` (so the host never stalls the
-device); evaluation, checkpoints and SIGTERM as the config says. A member halted by policy
-stops (a population freezes it while the others go on); the step that was already dispatched
-when the halt was seen is applied and so it is logged too: the logs always end one step before
-the member's last checkpoint. Each run directory is locked while it is trained
-(:class:`mhc_jax.rundir.Lock`). Resuming restores each member's latest checkpoint (data
-position included: batch ``i`` is a pure function of ``(seed, i)``) straight into its shards;
-resuming a finished run changes nothing. Only process 0 writes files.
+``prepare`` checks a config before anything is written; ``train`` trains one run; ``run_members``
+trains a program's members (docs/interfaces.md, "Training engine").
 """
 
 from __future__ import annotations
@@ -283,13 +270,10 @@ def _run(program, cfgs, run_dirs, resume, progress, main, extra) -> list:
     ck.prune_after(-1 if start is None else start)
   if start is not None:
     target = program.abstract()
-    members, hosts = [], []
-    for ck in ckpts:
-      s, host = ck.restore(target, step=start)
-      members.append(s)
-      hosts.append(host)
-    state = program.stack(members)
-    del members
+    restored = [ck.restore(target, step=start) for ck in ckpts]
+    hosts = [host for _, host in restored]
+    state = program.stack([s for s, _ in restored])
+    del restored
   else:
     start, hosts = 0, [None] * n
     state = program.init()
@@ -387,19 +371,13 @@ def _finish(program, state, recorders, halted, preempted, failed, step) -> list:
   for i, r in enumerate(recorders):
     info = None
     if not failed:
-      try:
+      with contextlib.suppress(Exception):  # the state may be gone with a failed step
         m = program.member(state, i)
         info = (int(m.step), program.params(), int(m.nonfinite))
-      except Exception:  # noqa: BLE001 - the state may be gone with a failed step
-        info = None
     if info is None:
       status, info = "failed", (step, None, None)
-    elif halted[i]:
-      status = "halted"
-    elif preempted:
-      status = "preempted"
     else:
-      status = "done"
+      status = "halted" if halted[i] else "preempted" if preempted else "done"
     msg = halted[i] or (
       f"SIGTERM at step {step}: checkpoint saved" if status == "preempted" else ""
     )

@@ -1,11 +1,5 @@
-"""The optimiser: learning-rate schedule, weight-decay mask, AdamW (+ clipping) from OptimConfig.
-
-The optimiser is meant for UNBOXED parameters (``flax.linen.meta.unbox(params)``): the train
-state keeps plain arrays and the logical-axis metadata only feeds the shardings. `decay_mask`
-also accepts a tree boxed in ``nn.Partitioned`` / ``nn.LogicallyPartitioned`` and returns a mask
-of the same (boxed) structure, so optax works on either, as long as mask and params agree.
-
-Non-finite updates are not handled here: the train step applies its skip/halt policy.
+"""The optimiser: learning-rate schedule, weight-decay mask, AdamW (+ clipping) from OptimConfig,
+for unboxed parameters; the train step applies the non-finite policy (docs/interfaces.md).
 """
 
 from __future__ import annotations

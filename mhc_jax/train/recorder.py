@@ -1,22 +1,7 @@
 """One run's host side: its logs, spike and divergence rules, and its summary.
 
-A :class:`Recorder` is what makes a run directory out of a stream of per-step metrics, the same
-for a single run and for every member of a population (``train.loop``): ``config.yaml``,
-``metrics.jsonl`` (one record per logged step), ``events.jsonl`` (``spike/loss``,
-``spike/grad``, ``nonfinite``, ``divergence`` with its ``reason``), optional TensorBoard files,
-and ``summary.json`` (written atomically). Its spike monitor, divergence rule and elapsed time
-go into every checkpoint (:meth:`host_state`), so a resumed run makes the same decisions as an
-uninterrupted one. Only process 0 writes files; the others keep the same state.
-
-Rules, per handled step:
-
-- a non-finite loss or gradient norm is one ``nonfinite`` event (not also a spike); the
-  divergence rule sees it as a bad step;
-- a finite loss or gradient norm above its rolling threshold is a ``spike/*`` event;
-- the first time the divergence rule fires, a ``divergence`` event with ``reason``
-  (``ratio``, ``above_init``, ``nonfinite``); the run then halts if ``train.halt_on_divergence``,
-  and otherwise ends with status ``diverged``;
-- ``train.nonfinite=halt`` halts at the first non-finite step.
+A :class:`Recorder` makes a run directory out of a stream of per-step metrics, for a single run
+and for each member of a population; the rules: docs/interfaces.md, "Training engine".
 """
 
 from __future__ import annotations
@@ -47,7 +32,6 @@ class Recorder:
     self.last_eval: dict = {}
     self.wall_before = 0.0
     self.t0 = time.perf_counter()
-    self._writers: list = []
     self.metrics = self.events = self.tb = None
 
   # ---------------------------------------------------------------------------- start
@@ -75,12 +59,10 @@ class Recorder:
       self._remember(r)
     self.metrics = logs.JsonlWriter(self.dir / "metrics.jsonl")
     self.events = logs.JsonlWriter(self.dir / "events.jsonl")
-    self._writers = [self.metrics, self.events]
     if self.cfg.train.tensorboard:
       from mhc_jax.tb import TBWriter
 
       self.tb = TBWriter(self.dir / "tb")
-      self._writers.append(self.tb)
 
   def host_state(self, step: int) -> dict:
     """What a checkpoint at ``step`` keeps of this recorder (JSON)."""
@@ -162,15 +144,17 @@ class Recorder:
 
   # ---------------------------------------------------------------------------- end
 
-  def close(self) -> None:
-    for w in self._writers:
-      w.close()
-    self._writers = []
-
-  def summary(
+  def finish(
     self, status: str, message: str, steps: int | None, params: dict | None, nonfinite: int | None
   ) -> dict:
-    return {
+    """Close the logs and write summary.json (process 0); returns the summary."""
+    if status == "done" and self.diverged is not None:
+      status = "diverged"
+      message = message or (
+        f"the loss diverged at step {self.diverged['step']} "
+        f"({self.diverged['reason']}); train.halt_on_divergence is off"
+      )
+    s = {
       "status": status,
       "message": message,
       "steps": steps,
@@ -183,19 +167,9 @@ class Recorder:
       **self.last_eval,
       **self.extra,
     }
-
-  def finish(
-    self, status: str, message: str, steps: int | None, params: dict | None, nonfinite: int | None
-  ) -> dict:
-    """Close the logs and write summary.json (process 0); returns the summary."""
-    if status == "done" and self.diverged is not None:
-      status = "diverged"
-      message = message or (
-        f"the loss diverged at step {self.diverged['step']} "
-        f"({self.diverged['reason']}); train.halt_on_divergence is off"
-      )
-    s = self.summary(status, message, steps, params, nonfinite)
-    self.close()
+    for w in (self.metrics, self.events, self.tb):
+      if w is not None:
+        w.close()
     if self.main:
       rundir.write_summary(self.dir, s)
     return s

@@ -64,21 +64,19 @@ def replicated(mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
 
 
-def batch_sharding(mesh) -> NamedSharding:
-  return NamedSharding(mesh, P(BATCH))
-
-
-def put_batch(batch: dict, mesh) -> dict:
-  """Place a host batch (this process's rows) as global arrays sharded over the batch axes."""
-  sharding = batch_sharding(mesh)
+def put_batch(batch: dict, mesh, stacked: bool = False) -> dict:
+  """Place a host batch (this process's rows) as global arrays sharded over the batch axes
+  (``stacked``: behind a leading, unsharded member axis ``[P, B, ...]``)."""
+  spec = P(None, BATCH) if stacked else P(BATCH)
   n_proc = jax.process_count()
 
   def put(x):
     x = np.asarray(x)
     if n_proc == 1:
-      return jax.device_put(x, NamedSharding(mesh, fit_spec(P(BATCH), x.shape, mesh)))
-    global_shape = (x.shape[0] * n_proc,) + x.shape[1:]
-    return jax.make_array_from_process_local_data(sharding, x, global_shape)
+      return jax.device_put(x, NamedSharding(mesh, fit_spec(spec, x.shape, mesh)))
+    shape = list(x.shape)
+    shape[int(stacked)] *= n_proc
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, spec), x, tuple(shape))
 
   return {k: put(v) for k, v in batch.items()}
 

@@ -30,9 +30,7 @@ def abstract_boxed(model, example_tokens, tx):
 @functools.lru_cache(maxsize=64)
 def param_shapes(model, tokens: jax.ShapeDtypeStruct):
   """The boxed parameter shapes of ``model.init`` on tokens of that shape, traced once per
-  (model, shape) in a process: a run traces the init for its checks, its shardings and its
-  restore target, and a sweep's runs mostly share models (an lr grid: one). Flax modules hash
-  by their fields (the config), so an equal model is a hit."""
+  (model, shape) in a process (flax modules hash by their fields, so an equal model is a hit)."""
   return jax.eval_shape(
     lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(tokens.shape, tokens.dtype))
   )
@@ -46,9 +44,8 @@ def state_shardings(model, example_tokens, tx, mesh) -> State:
   )
 
 
-def create_state(model, example_tokens, tx, mesh, seed: int) -> tuple[State, State]:
-  """(state, its shardings): initialised directly into its shards with ``jit(out_shardings)``."""
-  shard = state_shardings(model, example_tokens, tx, mesh)
+def init_fn(model, example_tokens, tx):
+  """``key -> State``: a fresh state (to be jitted into its shardings)."""
 
   def init(key):
     params = nn.meta.unbox(model.init(key, example_tokens))
@@ -59,7 +56,15 @@ def create_state(model, example_tokens, tx, mesh, seed: int) -> tuple[State, Sta
       nonfinite=jnp.zeros((), jnp.int32),
     )
 
-  return jax.jit(init, out_shardings=shard)(jax.random.PRNGKey(seed)), shard
+  return init
+
+
+def create_state(model, example_tokens, tx, mesh, seed: int) -> tuple[State, State]:
+  """(state, its shardings): initialised directly into its shards with ``jit(out_shardings)``."""
+  shard = state_shardings(model, example_tokens, tx, mesh)
+  return jax.jit(init_fn(model, example_tokens, tx), out_shardings=shard)(
+    jax.random.PRNGKey(seed)
+  ), shard
 
 
 def abstract_state(shard: State, model, example_tokens, tx) -> State:

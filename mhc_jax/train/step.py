@@ -1,10 +1,5 @@
-"""The pure, jitted train and eval steps.
-
-``train_step(state, batch, diag) -> (state, metrics)``: loss (+ z-loss), gradients, optax update,
-the non-finite policy (a non-finite loss or gradient norm leaves parameters and optimiser state
-untouched and is counted), and the metrics of docs/interfaces.md. With ``diag`` (static), zero
-probes added to the stream give dLoss/d(stream) at every mixer layer, and the per-layer
-diagnostics are computed on the device.
+"""The pure, jitted train and eval steps: ``train_step(state, batch, diag) -> (state, metrics)``
+(loss, optax update, non-finite skip, the metrics of docs/interfaces.md) and ``evaluate``.
 """
 
 from __future__ import annotations
@@ -106,25 +101,19 @@ def diag_metrics(aux, sq_probe, grads, depth: int, size: int) -> dict:
   state leaf (``[L, 2]`` per leaf for the layers, scalars at the collapse input); ``size``: the
   state's element count (all leaves), so ``sqrt(Σ / size)`` is the gradient RMS."""
   L2 = 2 * depth
-  # The probes are squared-norm taps (zero_probes(squares=True)): one [L, 2] gradient per state
-  # leaf, Σ (dLoss/d(state))² over that leaf, and one scalar per leaf at the collapse input.
   sq_layers, sq_out = sq_probe
   grad_rms = jnp.sqrt(sum(g.reshape(L2) for g in jax.tree.leaves(sq_layers)) / size)  # [2L]
   grad_out = jnp.sqrt(sum(jax.tree.leaves(sq_out)) / size)
   out = dg.layer_metrics(aux["stats"], grad_rms=grad_rms, grad_rms_out=grad_out)
   out["grad_rms"] = grad_rms
-  out["attn_logit_max"] = aux["attn_logit_max"]
-  for k in ("out_logit_max", "logsumexp_mean", "logsumexp_max"):
+  for k in ("attn_logit_max", "out_logit_max", "logsumexp_mean", "logsumexp_max"):
     out[k] = aux[k]
   s = aux["stats"]
-  # Both over the 2L mixer layers, in the direction the signal travels (docs/interfaces.md):
-  # activations from the stream entering layer 0 to the one leaving layer 2L-1; gradients from
-  # the collapse input (after layer 2L-1) back to the stream entering layer 0.
+  # both over the 2L mixer layers, in the direction the signal travels (docs/interfaces.md)
   out["growth_exponent"] = dg.growth_exponent(s["rms_in"][0], s["rms_out"][-1], L2)
   out["growth_exponent_grad"] = dg.growth_exponent(grad_out, grad_rms[0], L2)
-  blocks = grads["params"]["blocks"] if "blocks" in grads["params"] else None
-  if blocks is not None:
-    out["layer_grad_norm"] = dg.tree_layer_norms(blocks)
+  if "blocks" in grads["params"]:
+    out["layer_grad_norm"] = dg.tree_layer_norms(grads["params"]["blocks"])
   return out
 
 
