@@ -1,13 +1,8 @@
 """A parameter-matched MLP baseline that sees the context through a fixed causal window.
 
-`WindowMLP` embeds tokens, and at each position t flattens the embeddings of tokens
-`t - window + 1 .. t` (zero vectors before the start of the sequence) and applies an MLP to get
-logits over the vocabulary. The first layer over the flattened window is exactly a causal 1-D
-convolution with kernel size `window` (no `[B,T,window,E]` tensor is built); `depth` is the number
-of hidden layers (GELU). With `window >= seq_len` it sees the whole causal prefix, position-wise.
-
-Parameters (E = embed_dim, W = width, K = window, L = depth, V = vocab):
-`V*E + (K*E*W + W) + (L-1)*(W*W + W) + (W*V + V)`; `match_width` picks W for a target count.
+`WindowMLP` embeds tokens and applies an MLP to the embeddings of tokens `t - window + 1 .. t`
+(zeros before the start): its first layer is a causal 1-D convolution with kernel `window`, then
+`depth - 1` hidden GELU layers; `match_width` picks the width for a target parameter count.
 """
 
 from __future__ import annotations

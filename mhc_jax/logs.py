@@ -1,19 +1,7 @@
 """The metrics record: an append-only JSONL writer and pandas readers for runs and sweeps.
 
-File format (docs/interfaces.md): one JSON object per line, ``{"step": int, ...}``;
-per-layer metrics are lists. Non-finite floats are written with Python's ``allow_nan``
-extension as the bare tokens ``NaN``, ``Infinity``, ``-Infinity`` and read back as floats by
-:func:`read_jsonl` (and by any Python ``json``); strict JSON parsers (``jq``, browsers)
-reject these tokens. A NaN loss is a result, so it is kept rather than nulled.
-
-Resuming: call :func:`truncate_after` on ``metrics.jsonl`` / ``events.jsonl`` with the
-checkpoint's step *before* opening a :class:`JsonlWriter` on them, so every step appears
-once. Readers still merge records that share a step (later keys win), which also lets a
-trainer write e.g. an eval record and a train record for the same step separately.
-
-Run directory: ``config.yaml``, ``metrics.jsonl``, ``events.jsonl``, ``summary.json``.
-Sweep directory: ``manifest.json`` = ``{"runs": {name: {"status", "overrides", "dir"}}}``
-with ``dir`` relative to the sweep directory, plus one run directory per run.
+The file format, the writer's repair and flush rules, resuming with :func:`truncate_after` and
+the sweep manifest: docs/interfaces.md, "Writing and reading the records".
 """
 
 from __future__ import annotations
@@ -57,32 +45,19 @@ def _complete_lines(data: bytes) -> bytes:
 
 def _repair_tail(path: str) -> None:
   """Make the local file ``path`` end at a line boundary (see :func:`_complete_lines`)."""
-  if not os.path.exists(path) or os.path.getsize(path) == 0:
-    return
-  with open(path, "r+b") as f:
-    f.seek(-1, os.SEEK_END)
-    if f.read(1) == b"\n":
-      return
-    f.seek(0)
-    data = f.read()
-    fixed = _complete_lines(data)
-    if len(fixed) > len(data):
-      f.seek(0, os.SEEK_END)
-      f.write(b"\n")
-    else:
-      f.truncate(len(fixed))
+  if os.path.exists(path):
+    with open(path, "r+b") as f:
+      data = f.read()
+      fixed = _complete_lines(data)
+      if fixed != data:
+        f.seek(0)
+        f.write(fixed)
+        f.truncate()
 
 
 class JsonlWriter:
-  """Append-only JSONL writer: one object per line.
-
-  Local files are appended to and flushed after every write (``fsync=True`` also forces each
-  line to disk); opening repairs a partial last line left by a killed writer, so appended
-  records never merge into garbage. On an object store (``gs://...``, no appends) the file
-  is rewritten whole by :meth:`flush`, at most every ``flush_secs`` seconds on its own and
-  whenever the caller asks (the trainer flushes before every checkpoint, so the logs of the
-  steps a checkpoint holds are stored before it). Use as a context manager or ``close()``.
-  """
+  """Append-only JSONL writer, one object per line; local files are appended to, an object
+  store's file rewritten by :meth:`flush` (docs/interfaces.md). A context manager."""
 
   def __init__(self, path: str | os.PathLike, fsync: bool = False, flush_secs: float = 30.0):
     self.path = storage.path(path)
@@ -173,14 +148,9 @@ def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def truncate_after(path: str | os.PathLike, step: int) -> int:
-  """Drop records with ``record["step"] > step`` from a JSONL file, atomically.
-
-  The kept lines are copied byte for byte (order preserved, lines without a ``step`` kept)
-  and replace the file atomically (:func:`mhc_jax.storage.write_bytes_atomic`): a crash at
-  any point leaves either the old or the new file. A partial last line is dropped. Returns
-  the number of records dropped (0 if the file is missing). Do this before opening a writer
-  on the file: a writer opened earlier keeps appending to the replaced file.
-  """
+  """Drop records with ``record["step"] > step`` from a JSONL file, atomically (kept lines byte
+  for byte, a partial last line dropped); returns how many (0 if the file is missing). Call it
+  before opening a writer on the file."""
   path = storage.path(path)
   if not path.exists():
     return 0
@@ -247,25 +217,19 @@ def _to_long(df: pd.DataFrame) -> pd.DataFrame:
   """Per-layer (list-valued) columns of a wide frame -> rows (step, metric, layer, value)."""
   import pandas as pd
 
-  steps, metrics, layers, values = [], [], [], []
-  for col in _list_columns(df):
-    for step, v in zip(df["step"].tolist(), df[col].tolist()):
-      if not isinstance(v, list):
-        continue
-      steps += [step] * len(v)
-      metrics += [col] * len(v)
-      layers += range(len(v))
-      values += v
+  m = df.melt(id_vars="step", value_vars=_list_columns(df), var_name="metric")
+  is_list = m["value"].map(lambda v: isinstance(v, list) and len(v) > 0).astype(bool)
+  m = m.loc[is_list].explode("value")
   try:
-    vals = np.asarray(values, dtype=np.float64)
+    values = m["value"].to_numpy(np.float64)
   except (TypeError, ValueError):  # nested lists (e.g. matrices per layer)
-    vals = pd.Series(values, dtype=object)
+    values = pd.Series(m["value"].tolist(), dtype=object)
   return pd.DataFrame(
     {
-      "step": np.asarray(steps, dtype=np.int64),
-      "metric": pd.Series(metrics, dtype="str"),
-      "layer": np.asarray(layers, dtype=np.int64),
-      "value": vals,
+      "step": m["step"].to_numpy(np.int64),
+      "metric": pd.Series(m["metric"].tolist(), dtype="str"),
+      "layer": m.groupby(level=0).cumcount().to_numpy(np.int64),
+      "value": values,
     },
     columns=LONG_COLUMNS,
   )
@@ -332,11 +296,7 @@ def dir_name(p) -> str:
 
 
 def _axis_names(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
-  axes: dict[str, None] = {}
-  for info in runs.values():
-    for k in info.get("overrides") or {}:
-      axes[k] = None
-  return list(axes)
+  return list(dict.fromkeys(k for info in runs.values() for k in info.get("overrides") or {}))
 
 
 def _put_axes(

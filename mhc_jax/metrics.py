@@ -1,22 +1,14 @@
 """The metric registry: one entry per key a run writes to ``metrics.jsonl`` and ``summary.json``.
 
-Each :class:`Metric` says what a name is (``shape``: ``scalar``; ``layer``, a list over the 2L
-mixer layers; ``block``, a list over the L blocks; ``position``, a list over positions), when it
-is logged (``when``: every logged ``step``, every ``diag_every`` steps, every ``eval_every``
-steps, or once in ``summary.json``), how the report reduces it over training (``summary``:
-report column -> reduction, see :data:`REDUCTIONS`), whether it is summarised on the log scale
-(``log``: positive and heavy-tailed, so geometric means, log-scale intervals and ratios), what
-figure shows it (``plot``) and one line of meaning. The report, the notebooks and
-docs/interfaces.md read this table; a new metric is an entry here, not report code.
-No jax import: the report and the docs read it without a training stack.
+What each field of :class:`Metric` means: docs/interfaces.md, "Metric names in metrics.jsonl"
+(generated from this table). The report, the notebooks and the docs read it; a new metric is an
+entry here, not report code. No jax import: it is read without a training stack.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Mapping
-
-__all__ = ["Metric", "METRICS", "SUMMARY_FIELDS", "REDUCTIONS", "by_name", "log_columns"]
 
 #: How a report column reduces a metric over training (per-layer metrics: the whole-depth value,
 #: i.e. the last entry of each list, unless the reduction says otherwise).

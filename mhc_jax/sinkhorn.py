@@ -1,36 +1,9 @@
 """Log-domain Sinkhorn-Knopp projection onto doubly stochastic matrices (mHC's `H_res`).
 
-For logits `Z` (last two axes `n x n`, any leading shape) the projection is
-
-    S(Z) = diag(a) exp(Z) diag(b),    S(Z) 1 = 1,   S(Z)^T 1 = 1,
-
-computed in the log domain with potentials `f = log a`, `g = log b`. Each iteration normalises
-the columns, then the rows:
-
-    g_j <- -logsumexp_i (Z_ij + f_i),    f_i <- -logsumexp_j (Z_ij + g_j).
-
-With a fixed iteration count the last step is a row step, so row sums are exact (to rounding) and
-the truncation error sits in the column sums, as in the mHC paper. `stochastic_error` reports
-both. Everything runs in (at least) float32: bf16 logits give a float32 result.
-
-Gradients, chosen by `grad`:
-- "unroll": the exact gradient of the truncated iteration (what autodiff through the loop
-  gives), written by hand: it keeps the two potentials of every iteration (memory grows with
-  `iters`, 2n numbers per matrix per iteration) and costs about one more forward pass.
-- "implicit": a custom VJP from the optimality conditions of the projection; only `P = S(Z)` is
-  kept, so memory does not depend on `iters`. Differentiating `P_ij = exp(Z_ij + f_i + g_j)`
-  subject to `P 1 = 1`, `P^T 1 = 1` gives, for an upstream cotangent `G`,
-
-      dL/dZ = P * (G - alpha 1^T - 1 beta^T),
-      A [alpha; beta] = [(P*G) 1; (P*G)^T 1],   A = [[diag(P 1), P], [P^T, diag(P^T 1)]].
-
-  `A` is symmetric with null vector `v = [1; -1]` (the shift `alpha + c, beta - c`), and the right
-  side is orthogonal to `v`. Solving with `A + v v^T` (nonsingular for positive `P`) returns the
-  solution with `v . [alpha; beta] = 0`, exactly, in one batched dense solve of size `2n`. A ridge
-  of 10 machine epsilons keeps it finite when entries of `P` underflow (logits spanning ~100);
-  it costs about 1e-6 of gradient accuracy in float32.
-  This is the gradient of the converged projection; it matches "unroll" as `iters` grows.
-  Only reverse mode is defined for "implicit" (jax.grad / jacrev / vjp, not jvp / jacfwd).
+Column-then-row steps on the potentials of ``diag(a) exp(Z) diag(b)``, ending on a row step (row
+sums exact, the truncation error in the column sums), float32 inside; gradients ``"unroll"``
+(exact for the truncated iteration) or ``"implicit"`` (custom VJP of the converged projection,
+memory independent of ``iters``). The math: docs/interfaces.md, "The Sinkhorn projection".
 """
 
 import functools
@@ -41,27 +14,18 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 GRAD_MODES = ("unroll", "implicit")
-# The name the projection gives its output and the "unroll" gradient's residuals, so a remat
-# policy can keep them instead of running the iterations again (model.remat=dots does).
-REMAT_NAME = "sinkhorn"
+REMAT_NAME = "sinkhorn"  # names the output and residuals, for remat policies (model.remat=dots)
 _RIDGE_EPS = 10.0  # ridge on the implicit system, in units of the dtype's machine epsilon
 
 
 def _tokens_last(z: jax.Array) -> jax.Array:
-  """``[..., n, n]`` -> ``[n, n, N]``: the N matrices along the last (contiguous) axis, so every
-  step below is a reduction over a short leading axis, vectorised over matrices. With the
-  matrices in front, each ``n x n`` logsumexp was its own tiny reduction (with autodiff's
-  backward: 16.1 against 10.2 ms per forward + backward, docs/results.md, "Sinkhorn gradient modes")."""
+  """``[..., n, n]`` -> ``[n, n, N]``: the N matrices along the last (contiguous) axis."""
   n = z.shape[-1]
   return jnp.moveaxis(z.reshape((-1, n, n)), 0, -1)
 
 
-# A reduction over a short matrix axis of ``[n, n, N]`` (``N`` matrices along the last axis) is
-# written out as element-wise maxima / sums of its ``n`` slices when ``n <= UNROLL_N`` and
-# ``N >= WRITTEN_FROM``. XLA's CPU reduction over the leading axis grew far faster than ``N``
-# (a 4 x 4 logsumexp: 0.15-0.27 ms at N = 4096, 2.7 ms at 12288, 4.0 ms at 16384; written out
-# 0.11, 0.19, 0.22 ms) but is the faster form below ~4096 matrices (docs/results.md, "Sinkhorn gradient
-# modes": benchmarks/sinkhorn_bench.py --tokens ...). Same function; the sums' order differs.
+# Reductions over a short matrix axis (n <= UNROLL_N) of N >= WRITTEN_FROM matrices are written
+# out over the n slices: faster on XLA's CPU there (docs/results.md, "Sinkhorn gradient modes").
 UNROLL_N = 8
 WRITTEN_FROM = 4096
 
@@ -128,10 +92,8 @@ def _project(z: jax.Array, iters: int) -> jax.Array:
   return _back(_plan(zt, f, g), z.shape[:-2])
 
 
-# "unroll": the exact gradient of the truncated iteration (what autodiff through the loop gives),
-# written by hand. Each step's softmax weights are exp(Z + f + g) of the potentials before and
-# after it, so only the potentials are kept ([iters, n, N] each) and the backward costs about
-# as much as the forward; autodiff of the loop stored and re-read every logsumexp's pieces.
+# "unroll": the gradient of the truncated iteration by hand, keeping only the potentials
+# ([iters, n, N] each; docs/interfaces.md, "The Sinkhorn projection").
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _project_unroll(z: jax.Array, iters: int) -> jax.Array:
   return _project(z, iters)
@@ -192,12 +154,8 @@ def _implicit_bwd(iters, p, g):
   rhs = jnp.concatenate([pg.sum(-1), pg.sum(-2)], axis=-1)  # [..., 2n]
   # A = [[diag(P1), P], [P^T, diag(P^T 1)]] from the actual P, so v = [1; -1] is exactly null.
   eye = jnp.eye(n, dtype=p.dtype)
-  a = jnp.concatenate(
-    [
-      jnp.concatenate([p.sum(-1)[..., None] * eye, p], axis=-1),
-      jnp.concatenate([jnp.swapaxes(p, -1, -2), p.sum(-2)[..., None] * eye], axis=-1),
-    ],
-    axis=-2,
+  a = jnp.block(
+    [[p.sum(-1)[..., None] * eye, p], [jnp.swapaxes(p, -1, -2), p.sum(-2)[..., None] * eye]]
   )
   v = jnp.concatenate([jnp.ones(n, p.dtype), -jnp.ones(n, p.dtype)])
   # The ridge keeps the solve finite when entries of P underflow (very peaked logits).

@@ -1,18 +1,8 @@
-"""Contract checks any residual mixer can be put through (used by tests/test_mixers.py).
+"""The mixer contract kit (tests/test_mixers.py): checks any registered mixer is put through.
 
-A new mixer is checked by adding its registry line: the test suite runs every function here
-over every registered name. Each check raises ``AssertionError`` (via chex) on a violation.
-
-- ``check_shapes``: state shape/dtype preserved, stats keys and shapes as in the contract;
-- ``check_transforms``: ``jax.jit``, ``jax.vmap`` and ``jax.grad`` work and jit == no-jit;
-- ``check_finite_grads``: finite gradients w.r.t. parameters and inputs (fp32 and bf16);
-- ``check_invariants``: a mixer that claims ``doubly_stochastic`` keeps every per-token and
-  token-averaged ``H_res`` doubly stochastic after random perturbation of all its parameters;
-- ``check_stream_separation``: a multi-stream mixer's streams differ after a few optimiser steps
-  (identical streams make any stream mixing a no-op: a single-stream residual in disguise).
-
-``xla_optimizations(on)``: a context in which XLA compiles with its optimisations on or
-(most of them) off; the test session runs with them off (tests/conftest.py).
+Each ``check_*`` raises ``AssertionError`` (via chex) on a violation; what they check is listed in
+docs/interfaces.md, "The mixer contract". ``xla_optimizations(on)`` switches most XLA
+optimisations off (the test session's default, tests/conftest.py) or on inside a block.
 """
 
 from __future__ import annotations
@@ -34,9 +24,8 @@ B, T, C = 2, 5, 8
 
 @contextlib.contextmanager
 def xla_optimizations(on: bool):
-  """XLA with (``on``) or without most optimisations (``jax_disable_most_optimizations``)
-  inside the block; the previous setting is restored. Off: a fraction of the compile time,
-  which is most of a tiny run; on: the program a run compiles."""
+  """XLA with (``on``) or without most optimisations inside the block (off: a fraction of the
+  compile time, most of a tiny run); the previous setting is restored."""
   old = jax.config.read("jax_disable_most_optimizations")
   jax.config.update("jax_disable_most_optimizations", not on)
   try:
@@ -206,9 +195,7 @@ def check_invariants(name: str, seeds=(1, 2, 3), scale: float = 0.5, **opts) -> 
 # --------------------------------------------------------------------------- stream separation
 SEP_DEPTH = 32  # mixer layers of the separation check's stack
 SEP_STEPS = 300  # Adam steps (lr 1e-2) before its spread is read
-SEP_THRESHOLD = (
-  0.15  # the lower quartile of the spread over layers must exceed this (docs/mixers.md)
-)
+SEP_THRESHOLD = 0.15  # the lower quartile of the spread over layers must exceed this
 
 
 class _Layer(nn.Module):
@@ -301,14 +288,8 @@ def stream_separation(
 def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts) -> float:
   """The streams stay apart under training: after :data:`SEP_STEPS` Adam steps of a
   :data:`SEP_DEPTH`-layer stack, the lower quartile of the stream spread over its layers exceeds
-  ``threshold``.
-
-  A quartile, not the max: a symmetric start keeps some spread in a few layers (Adam turns the
-  tiny asymmetry of ``α (v φ)`` into full-size updates) and collapses most of the rest, while a
-  start that keeps the streams apart does so in nearly every layer. Measured (docs/mixers.md):
-  every default 0.34 or more, symmetric mhc 0.04-0.08 over seeds 0-2, static symmetric mhc
-  0.003. Single-stream mixers (``n = 1``) pass trivially. Returns the quartile.
-  """
+  ``threshold`` (why a quartile, and the measured values: docs/mixers.md, "Symmetry").
+  Single-stream mixers (``n = 1``) pass trivially. Returns the quartile."""
   n = opts.get("n", default_n(name))
   if n == 1 or not type(mixers.get(name, **opts)).multi_stream:
     return 0.0

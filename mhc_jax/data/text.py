@@ -1,18 +1,7 @@
 """Byte-level language modelling from local text files, with resumable deterministic batches.
 
-The corpus is the concatenation of the files' bytes (files in sorted path order); the last
-`val_fraction` of the bytes is the validation split, the rest the train split, so train and
-validation windows never share a byte. Each split is cut into windows of `seq_len + 1` bytes with
-stride `seq_len` (`inputs = w[:-1]`, `targets = w[1:]`, so every byte is a target exactly once).
-
-Batches are a pure function of `(seed, split, step)`: the windows of a split form an endless
-stream, epoch `e` being the permutation `default_rng([seed, split, e])` of all windows, and batch
-`step` takes stream positions `[step * B, (step + 1) * B)` (an epoch boundary may fall inside a
-batch). Resuming at step k with a fresh source object therefore continues exactly where an
-uninterrupted run would be; there is no iterator state to save beyond the step.
-
-Vocabulary: the 256 byte values. Default corpus: the top-level `*.py` files of the Python standard
-library (`os.path.dirname(os.__file__)`), present on every machine.
+Windows of `seq_len + 1` bytes, stride `seq_len`, the last `val_fraction` of the bytes held out;
+batch `step` is a pure function of `(seed, split, step)` (docs/interfaces.md, "Data sources").
 """
 
 from __future__ import annotations
@@ -45,19 +34,16 @@ def resolve_files(path: str | None, pattern: str | None = None) -> list[str]:
   if os.path.isfile(path):
     return [path]
   if os.path.isdir(path):
-    pat = pattern or "**/*"
-    files = sorted(
-      f for f in glob.glob(os.path.join(path, pat), recursive=True) if os.path.isfile(f)
-    )
-    if not files:
-      raise FileNotFoundError(f"no files matching {pat!r} in text data folder {path!r}")
-    return files
-  if _GLOB_CHARS & set(path):
-    files = sorted(f for f in glob.glob(path, recursive=True) if os.path.isfile(f))
-    if not files:
-      raise FileNotFoundError(f"no files match the text data glob {path!r}")
-    return files
-  raise FileNotFoundError(f"text data path does not exist: {path!r}")
+    pat = os.path.join(path, pattern or "**/*")
+    missing = f"no files matching {pattern or '**/*'!r} in text data folder {path!r}"
+  elif _GLOB_CHARS & set(path):
+    pat, missing = path, f"no files match the text data glob {path!r}"
+  else:
+    raise FileNotFoundError(f"text data path does not exist: {path!r}")
+  files = sorted(f for f in glob.glob(pat, recursive=True) if os.path.isfile(f))
+  if not files:
+    raise FileNotFoundError(missing)
+  return files
 
 
 def read_corpus(files: Iterable[str], max_bytes: int | None = None) -> np.ndarray:

@@ -1,13 +1,7 @@
 """Byte-level LM from a TFDS text dataset (extra `tfds`), e.g. tiny_shakespeare.
 
-The split is read once into a byte corpus (the text feature of every example, UTF-8, joined by
-`separator`) and then windowed exactly like local text (see `text.ByteWindows`): deterministic,
-resumable, with a validation split that is either a TFDS split (`val_split`) or, when
-`val_split` is None, the last `val_fraction` of the train bytes.
-
-Reading goes through `tfds.data_source` (random access over ArrayRecord files, no TensorFlow
-needed). A dataset prepared as TFRecord cannot be read that way; then `tfds.load` is used, which
-needs TensorFlow (`tensorflow-cpu`). Nothing is downloaded unless `download=True`.
+Read once into a byte corpus, then windowed like local text (`text.ByteWindows`); how it is read
+and what TensorFlow is needed for: docs/interfaces.md, "Data sources".
 """
 
 from __future__ import annotations
@@ -34,9 +28,7 @@ def _to_bytes(value: Any, feature: str) -> bytes:
     return value
   if isinstance(value, str):
     return value.encode("utf-8")
-  if isinstance(value, np.ndarray) and value.ndim == 0:
-    return _to_bytes(value.item(), feature)
-  if isinstance(value, np.generic):
+  if isinstance(value, (np.ndarray, np.generic)) and np.ndim(value) == 0:
     return _to_bytes(value.item(), feature)
   raise ValueError(f"TFDS feature {feature!r} is not text (got {type(value).__name__})")
 

@@ -44,7 +44,7 @@ def _fold_in2(key: jax.Array, split, step) -> jax.Array:
 
 
 class WindTunnel:
-  """Common `batch` machinery; subclasses define `sample(key, batch_size)`."""
+  """Common `batch` machinery; subclasses define `sample(key, batch_size)` and `baselines`."""
 
   has_posterior = True
   vocab_size: int
@@ -77,12 +77,6 @@ class WindTunnel:
       raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     return self._sample_jit(self.key_for(step, split), int(batch_size))
 
-  def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:  # pragma: no cover
-    raise NotImplementedError
-
-  def baselines(self, inputs) -> dict[str, np.ndarray]:  # pragma: no cover
-    raise NotImplementedError
-
 
 def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -92,6 +86,12 @@ def _check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
     rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
     raise ValueError(f"option {name!r} must be {rng}, got {value}")
   return value
+
+
+def _check_number(name: str, value: Any, ok, what: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+    raise ValueError(f"option {name!r} must be {what}, got {value!r}")
+  return float(value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -282,21 +282,14 @@ class HMMTask(WindTunnel):
     self.n_states = _check_int("n_states", self.n_states, 1)
     self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
     self.n_levels = _check_int("n_levels", self.n_levels, 1)
-    if (
-      isinstance(self.alpha, bool)
-      or not isinstance(self.alpha, (int, float))
-      or not (self.alpha > 0)
-    ):
-      raise ValueError(f"option 'alpha' must be a positive number, got {self.alpha!r}")
-    self.alpha = float(self.alpha)
+    self.alpha = _check_number("alpha", self.alpha, lambda a: a > 0, "a positive number")
     if self.predict not in PREDICT:
       raise ValueError(
         f"option 'predict' must be one of {', '.join(PREDICT)}, got {self.predict!r}"
       )
-    rho = self.stickiness
-    if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not (0 <= rho < 1):
-      raise ValueError(f"option 'stickiness' must be a number in [0, 1), got {rho!r}")
-    self.stickiness = float(rho)
+    self.stickiness = _check_number(
+      "stickiness", self.stickiness, lambda r: 0 <= r < 1, "a number in [0, 1)"
+    )
     S, K, Q = self.n_states, self.n_symbols, self.n_levels
     self.header_len = 1 + S * S + S * K + 1  # BOS, T, E, SEP
     # filtering needs o_L among the inputs; prediction only as the last target
@@ -312,12 +305,9 @@ class HMMTask(WindTunnel):
     self.length = _check_int("length", self.length, 1, max_len)
     self.level_offset = K
     self.bos, self.sep, self.pad = K + Q, K + Q + 1, K + Q + 2
-    if self.predict == "state":
-      self.state_offset = K + Q + 3
-      self.vocab_size = K + Q + 3 + S
-    else:
-      self.state_offset = None
-      self.vocab_size = K + Q + 3
+    by_state = self.predict == "state"  # S state-label tokens after the others
+    self.state_offset = K + Q + 3 if by_state else None
+    self.vocab_size = K + Q + 3 + (S if by_state else 0)
     self._init_jit()
 
   @property
@@ -329,13 +319,18 @@ class HMMTask(WindTunnel):
 
   def parse_header(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(T, E) float64 matrices from the header of one token sequence (numpy, for tests/probes)."""
-    S, K = self.n_states, self.n_symbols
     tokens = np.asarray(tokens)
     assert tokens[0] == self.bos and tokens[self.header_len - 1] == self.sep
-    lv = tokens[1 : self.header_len - 1].astype(np.int64) - self.level_offset + 1
-    lT = lv[: S * S].reshape(S, S).astype(np.float64)
-    lE = lv[S * S :].reshape(S, K).astype(np.float64)
-    return lT / lT.sum(-1, keepdims=True), lE / lE.sum(-1, keepdims=True)
+    Tm, Em = self._header_matrices(tokens[None])
+    return Tm[0], Em[0]
+
+  def _header_matrices(self, inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(T [B,S,S], E [B,S,K]) float64 from the headers of ``inputs [B, >= header_len]``."""
+    B, S, K = len(inputs), self.n_states, self.n_symbols
+    lv = inputs[:, 1 : self.header_len - 1].astype(np.float64) - self.level_offset + 1
+    Tm = lv[:, : S * S].reshape(B, S, S)
+    Em = lv[:, S * S :].reshape(B, S, K)
+    return Tm / Tm.sum(-1, keepdims=True), Em / Em.sum(-1, keepdims=True)
 
   def sample_one(self, key: jax.Array) -> dict[str, jax.Array]:
     S, K, L, T, Q = self.n_states, self.n_symbols, self.length, self.seq_len, self.n_levels
@@ -422,10 +417,7 @@ class HMMTask(WindTunnel):
     inputs = np.asarray(inputs)
     B, T = inputs.shape
     S, K, L, h = self.n_states, self.n_symbols, self.length, self.header_len
-    lv = inputs[:, 1 : h - 1].astype(np.float64) - self.level_offset + 1
-    Tm = lv[:, : S * S].reshape(B, S, S)
-    Em = lv[:, S * S :].reshape(B, S, K)
-    Tm, Em = Tm / Tm.sum(-1, keepdims=True), Em / Em.sum(-1, keepdims=True)
+    Tm, Em = self._header_matrices(inputs)
     n_obs = L if self.predict == "state" else L - 1  # observations among the inputs
     obs = inputs[:, h : h + n_obs].astype(np.int64)  # o_1..o_n
     # prior marginals m[t] = p(s_{t+1} | header), t = 0..L
