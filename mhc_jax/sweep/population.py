@@ -15,12 +15,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mhc_jax import logs
-from mhc_jax.model import Transformer, count_params
+from mhc_jax.model import Transformer
 from mhc_jax.train import sharding as sh
 from mhc_jax.train.config import Config, ConfigError, to_dict
-from mhc_jax.train.loop import Setup, host_batch, mean_over_batches, run_members
+from mhc_jax.train.loop import Program, Setup, host_batch, run_members
 from mhc_jax.train.optim import make_optimizer
-from mhc_jax.train.state import State, abstract_state, init_fn, state_shardings
+from mhc_jax.train.state import State, init_fn, state_shardings
 from mhc_jax.train.step import make_eval_step, make_train_step
 
 # ------------------------------------------------------------------------------------------
@@ -69,22 +69,19 @@ class Programs:
   tx: object  # the optimiser at the config's lr (shapes, restores)
   shard: State  # one member's shardings (as a separate run's)
   pop_shard: State  # the same with a leading unsharded member axis
-  mesh: object
-  stacked_batch: bool
   step: object  # (state, lrs, active, batch, diag) -> (state, metrics)
   eval: object  # (params, batch) -> metrics
   take: object  # (state, i) -> member i's state
   stack: object  # [member states] -> state
   _inits: dict = dataclasses.field(default_factory=dict)
 
-  def _init_fn(self, model_cfg):
-    return init_fn(Transformer(model_cfg), self.example, self.tx)
-
   def init(self, cfg: Config):
     """One member's fresh state (as create_state makes it), compiled once per init_scale."""
     scale = cfg.model.init_scale
     if scale not in self._inits:
-      self._inits[scale] = jax.jit(self._init_fn(cfg.model), out_shardings=self.shard)
+      self._inits[scale] = jax.jit(
+        init_fn(Transformer(cfg.model), self.example, self.tx), out_shardings=self.shard
+      )
     return self._inits[scale](jax.random.PRNGKey(cfg.train.seed))
 
   def init_all(self, cfgs: Sequence[Config]):
@@ -94,7 +91,8 @@ class Programs:
       return self.stack([self.init(c) for c in cfgs])
     if "all" not in self._inits:
       self._inits["all"] = jax.jit(
-        jax.vmap(self._init_fn(cfgs[0].model)), out_shardings=self.pop_shard
+        jax.vmap(init_fn(Transformer(cfgs[0].model), self.example, self.tx)),
+        out_shardings=self.pop_shard,
       )
     keys = jnp.stack([jax.random.PRNGKey(c.train.seed) for c in cfgs])
     return self._inits["all"](keys)
@@ -140,8 +138,6 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
     tx=tx,
     shard=shard,
     pop_shard=pop_shard,
-    mesh=mesh,
-    stacked_batch=stacked_batch,
     step=jax.jit(pop_step, static_argnums=4, donate_argnums=0, out_shardings=(pop_shard, rep)),
     eval=jax.jit(evaluate, out_shardings=rep),
     take=jax.jit(_member, out_shardings=shard),
@@ -155,17 +151,16 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
 
 def put_batches(batches: list[dict], mesh, stacked: bool) -> dict:
   """Host batches (this process's rows) on the mesh: one shared batch, or stacked [P, B, ...]."""
-  if not stacked:
-    return sh.put_batch(batches[0], mesh)
-  stack = {k: np.stack([np.asarray(b[k]) for b in batches]) for k in batches[0]}
-  return sh.put_batch(stack, mesh, stacked=True)
+  if stacked:
+    batches = [{k: np.stack([np.asarray(b[k]) for b in batches]) for k in batches[0]}]
+  return sh.put_batch(batches[0], mesh, stacked)
 
 
 # ------------------------------------------------------------------------------------------
 # Training: the population as the engine's program (train.loop.run_members).
 
 
-class PopulationProgram:
+class PopulationProgram(Program):
   """The members' state stacked along a leading axis, stepped as one vmapped program."""
 
   def __init__(self, setups: Sequence[Setup]):
@@ -174,16 +169,14 @@ class PopulationProgram:
     self.cfg, self.mesh, self.n = self.cfgs[0], setups[0].mesh, len(setups)
     self.stacked = len({c.train.seed for c in self.cfgs}) > 1
     self.sources = [s.source for s in setups] if self.stacked else [setups[0].source]
-    self.prog = programs(self.cfg, self.mesh, self.n, self.stacked)
+    p = self.prog = programs(self.cfg, self.mesh, self.n, self.stacked)
+    self.model, self.example, self.tx, self.shard = p.model, p.example, p.tx, p.shard
+    self._eval = p.eval
     self._rep = sh.replicated(self.mesh)
     self.lrs = jax.device_put(np.asarray([c.optim.lr for c in self.cfgs], np.float32), self._rep)
 
   def init(self):
     return self.prog.init_all(self.cfgs)
-
-  def abstract(self):
-    p = self.prog
-    return abstract_state(p.shard, p.model, p.example, p.tx)
 
   def stack(self, members):
     return self.prog.stack(members)
@@ -201,19 +194,8 @@ class PopulationProgram:
       state, self.lrs, jax.device_put(active, self._rep), self.batch(step), diag
     )
 
-  def evaluate(self, state):
-    return mean_over_batches(
-      self.prog.eval,
-      state.params,
-      lambda i: self.batch(i, "validation"),
-      self.cfg.data.eval_batches,
-    )
-
   def to_host(self, tree) -> dict:
     return {k: np.asarray(v) for k, v in jax.device_get(tree).items()}
-
-  def params(self) -> dict:
-    return count_params(self.abstract().params)
 
 
 def train_population(

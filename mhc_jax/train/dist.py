@@ -15,9 +15,8 @@ from mhc_jax.errors import ConfigError
 
 def init_distributed(cfg, args=None):
   """``cfg`` with its resolved ``dist``, after ``jax.distributed.initialize`` when the flags
-  (``args.coordinator``, ``args.num_processes``, ``args.process_id``), the config or the MHC_*
-  environment ask for several processes (flags win over the config, the config over the
-  environment)."""
+  (``args.<key>``), the config or the MHC_* environment ask for several processes (in that
+  order of precedence)."""
   from mhc_jax.train.config import resolve_dist
 
   dist = cfg.dist

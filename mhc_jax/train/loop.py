@@ -101,13 +101,27 @@ def mean_over_batches(eval_fn, params, batch_fn, n: int):
 
 
 # ------------------------------------------------------------------------------------------
-# A single run as a program of one member.
+# The programs: a single run is a program of one member.
 
 
-class SingleProgram:
-  """How a single run's state is made, stepped, evaluated (the engine's program interface:
-  ``n``, ``init``, ``abstract``, ``stack``, ``member``, ``step``, ``evaluate``, ``to_host``,
-  ``params``)."""
+class Program:
+  """The engine's program interface (``n``, ``init``, ``abstract``, ``stack``, ``member``,
+  ``step``, ``evaluate``, ``to_host``, ``params``): the parts a run and a population share."""
+
+  def abstract(self):
+    return abstract_state(self.shard, self.model, self.example, self.tx)
+
+  def evaluate(self, state):
+    return mean_over_batches(
+      self._eval, state.params, lambda i: self.batch(i, "validation"), self.cfg.data.eval_batches
+    )
+
+  def params(self) -> dict:
+    return count_params(self.abstract().params)
+
+
+class SingleProgram(Program):
+  """How a single run's state is made, stepped, evaluated."""
 
   n = 1
 
@@ -129,9 +143,6 @@ class SingleProgram:
   def init(self):
     return create_state(self.model, self.example, self.tx, self.mesh, self.cfg.train.seed)[0]
 
-  def abstract(self):
-    return abstract_state(self.shard, self.model, self.example, self.tx)
-
   def stack(self, members):
     return members[0]
 
@@ -144,27 +155,17 @@ class SingleProgram:
   def step(self, state, active, step: int, diag: bool):
     return self._step(state, self.batch(step), diag)
 
-  def evaluate(self, state):
-    return mean_over_batches(
-      self._eval, state.params, lambda i: self.batch(i, "validation"), self.cfg.data.eval_batches
-    )
-
   def to_host(self, tree) -> dict:
     return {k: np.asarray(v)[None] for k, v in jax.device_get(tree).items()}
 
   def trace(self) -> None:
     """Trace the step (and the evaluation) on abstract values: shape errors without compiling."""
 
-    def shapes(b):
-      return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype) for k, v in b.items()}
-
+    shapes = lambda b: jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), v.dtype), b)
     state = self.abstract()
     self._step.trace(state, shapes(host_batch(self.source, self.cfg, 0)), is_diag_step(self.cfg, 0))
     if self.cfg.train.eval_every:
       self._eval.trace(state.params, shapes(host_batch(self.source, self.cfg, 0, "validation")))
-
-  def params(self) -> dict:
-    return count_params(self.abstract().params)
 
 
 # ------------------------------------------------------------------------------------------
