@@ -201,13 +201,8 @@ class PopulationProgram(Program):
 def train_population(
   setups: Sequence[Setup], run_dirs: Sequence, resume: bool = True, progress: bool = True
 ) -> list:
-  """Train the members (prepared setups) as one program, each logged into its run directory.
-
-  Returns one entry per member: its summary dict, or the RunHalted it was halted with. Raises
-  Preempted on SIGTERM (every member checkpointed) and re-raises any other exception
-  (members' summaries then say ``failed``). A population resumes from the newest checkpoint
-  step all members have (each member's later checkpoints are redone).
-  """
+  """Train the members (prepared setups) as one program, each logged into its run directory;
+  returns and raises as ``train.loop.run_members``."""
   program = PopulationProgram(setups)
   members = [str(d) for d in run_dirs]
   extra = [

@@ -79,9 +79,7 @@ def make_optimizer(
         AdamW(schedule, b1, b2, eps, weight_decay, mask=decay_mask)).
 
   independent_wd=False (optax/PyTorch AdamW):  p -= lr(t) * (adam + wd * p)
-  independent_wd=True:                          p -= lr(t) * adam + wd * (lr(t)/lr) * p
-    (built as scale_by_adam -> add_decayed_weights(wd/lr) -> scale_by_learning_rate(schedule):
-     lr(t) * (adam + (wd/lr) p) is the line above.)
+  independent_wd=True:                          p -= lr(t) * (adam + (wd/lr) * p)
 
   `lr` overrides optim.lr and may be a traced array (a population of learning rates).
   """
