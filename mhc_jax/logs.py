@@ -64,22 +64,20 @@ class JsonlWriter:
     self.fsync = fsync
     self.local = storage.is_local(path)
     self.path.parent.mkdir(parents=True, exist_ok=True)
+    self.closed = False
     if self.local:
       _repair_tail(os.fspath(self.path))
       self._f = open(self.path, "a", encoding="utf-8")
     else:
-      self._f = None
       self._buf = [_complete_lines(self.path.read_bytes()) if self.path.exists() else b""]
-      self._dirty, self._closed = False, False
+      self._dirty = False
       self.flush_secs, self._last = flush_secs, time.monotonic()
 
   def write(self, record: Mapping[str, Any]) -> None:
     line = to_jsonable(dict(record))  # serialise first: a bad record writes nothing
     if self.local:
       self._f.write(line + "\n")
-      self._f.flush()
-      if self.fsync:
-        os.fsync(self._f.fileno())
+      self.flush()
       return
     self._buf.append(line.encode() + b"\n")
     self._dirty = True
@@ -93,7 +91,7 @@ class JsonlWriter:
   def flush(self) -> None:
     """Everything written so far is stored (locally: on disk with ``fsync``)."""
     if self.local:
-      if not self._f.closed:
+      if not self.closed:
         self._f.flush()
         if self.fsync:
           os.fsync(self._f.fileno())
@@ -105,18 +103,13 @@ class JsonlWriter:
       self._dirty = False
     self._last = time.monotonic()
 
-  @property
-  def closed(self) -> bool:
-    return self._f.closed if self.local else self._closed
-
   def close(self) -> None:
     if self.closed:
       return
     self.flush()
     if self.local:
       self._f.close()
-    else:
-      self._closed = True
+    self.closed = True
 
   def __enter__(self) -> "JsonlWriter":
     return self
@@ -205,19 +198,12 @@ def _records_by_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return [merged[s] for s in sorted(merged)]
 
 
-def _list_columns(df: pd.DataFrame) -> list[str]:
-  return [
-    c
-    for c in df.columns
-    if df[c].dtype == object and df[c].map(lambda v: isinstance(v, list)).any()
-  ]
-
-
 def _to_long(df: pd.DataFrame) -> pd.DataFrame:
   """Per-layer (list-valued) columns of a wide frame -> rows (step, metric, layer, value)."""
   import pandas as pd
 
-  m = df.melt(id_vars="step", value_vars=_list_columns(df), var_name="metric")
+  cols = [c for c in df.columns if df[c].dtype == object]  # the list-valued ones among them
+  m = df.melt(id_vars="step", value_vars=cols, var_name="metric")
   is_list = m["value"].map(lambda v: isinstance(v, list) and len(v) > 0).astype(bool)
   m = m.loc[is_list].explode("value")
   try:

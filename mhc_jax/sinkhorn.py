@@ -94,9 +94,7 @@ def _project(z: jax.Array, iters: int) -> jax.Array:
 
 # "unroll": the gradient of the truncated iteration by hand, keeping only the potentials
 # ([iters, n, N] each; docs/interfaces.md, "The Sinkhorn projection").
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _project_unroll(z: jax.Array, iters: int) -> jax.Array:
-  return _project(z, iters)
+_project_unroll = jax.custom_vjp(_project, nondiff_argnums=(1,))
 
 
 def _unroll_fwd(z, iters):
@@ -137,9 +135,7 @@ def _unroll_bwd(iters, res, gbar):
 _project_unroll.defvjp(_unroll_fwd, _unroll_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _project_implicit(z: jax.Array, iters: int) -> jax.Array:
-  return _project(z, iters)
+_project_implicit = jax.custom_vjp(_project, nondiff_argnums=(1,))
 
 
 def _implicit_fwd(z, iters):

@@ -77,11 +77,8 @@ class ByteWindows:
   ):
     if isinstance(seq_len, bool) or not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
       raise ValueError(f"option 'seq_len' must be a positive integer, got {seq_len!r}")
-    if (
-      isinstance(val_fraction, bool)
-      or not isinstance(val_fraction, (int, float))
-      or not (0.0 <= val_fraction < 1.0)
-    ):
+    number = isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool)
+    if not (number and 0.0 <= val_fraction < 1.0):
       raise ValueError(f"option 'val_fraction' must be in [0, 1), got {val_fraction!r}")
     self.seq_len, self.seed = int(seq_len), int(seed)
     corpus = np.asarray(corpus, dtype=np.uint8)
@@ -153,8 +150,7 @@ class ByteWindows:
 
 
 class TextSource(ByteWindows):
-  """Byte-level LM over local files: `path` (file, folder or glob; default: the stdlib's *.py),
-  `pattern` (glob inside a folder), `val_fraction` (0.05), `max_bytes` (cap on bytes read)."""
+  """Byte-level LM over the files `path` names (:func:`resolve_files`), at most `max_bytes`."""
 
   def __init__(
     self,

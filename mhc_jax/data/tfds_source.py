@@ -91,9 +91,8 @@ def read_tfds_text(
 
 
 class TFDSSource(ByteWindows):
-  """Options: `name` (tiny_shakespeare), `data_dir` (None: TFDS default), `split` (train),
-  `val_split` (validation; None: hold out `val_fraction` of train), `feature` (text),
-  `val_fraction` (0.05, only when val_split is None), `download` (False)."""
+  """Byte windows over TFDS `name[split]`; validation `val_split`, or with None the last
+  `val_fraction` of train."""
 
   def __init__(
     self,

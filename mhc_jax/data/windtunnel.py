@@ -1,10 +1,7 @@
 """Bayesian wind tunnels: tasks generated on the fly whose exact posterior is known.
 
-Every sequence is a fresh problem drawn from a PRNG key (a new permutation, a new HMM), so a model
-has to infer the answers in context. ``sample(key, batch_size)`` is pure and jittable;
-``batch(step, batch_size, split)`` derives the key from ``(seed, split, step)``, so batch ``step``
-is reproducible without iterator state (how checkpoints resume data). The batch's fields, the
-token layouts, the posteriors and the baselines: docs/windtunnel.md.
+Each sequence is a fresh problem from a PRNG key; ``batch(step, batch_size, split)`` is a pure
+function of ``(seed, split, step)``. Fields, layouts, posteriors, baselines: docs/windtunnel.md.
 """
 
 from __future__ import annotations
@@ -117,12 +114,8 @@ def bijection_posterior(keys: jax.Array, values: jax.Array, n_symbols: int):
 
 @dataclasses.dataclass
 class BijectionTask(WindTunnel):
-  """Key -> value lookups under a fresh random permutation per sequence.
-
-  Options: `n_symbols` V (default 20), `n_pairs` (default seq_len // 2; at most seq_len // 2,
-  and at most V without replacement), `replacement` (keys drawn with replacement, default True:
-  repeated keys make the entropy depend on history rather than position).
-  """
+  """Key -> value lookups under a fresh random permutation per sequence (options:
+  docs/windtunnel.md)."""
 
   seq_len: int
   seed: int
@@ -230,9 +223,8 @@ def uniform_from_bits(bits: jax.Array) -> jax.Array:
 
 
 def dirichlet_rows(key: jax.Array, alpha: float, u: jax.Array) -> jax.Array:
-  """Rows ~ Dirichlet(alpha, ..., alpha), shape of the uniforms `u`. alpha = 1 (the default)
-  normalises the exponentials -log(u), which is exact and much cheaper to compile than the
-  gamma sampler used otherwise (from `key`)."""
+  """Rows ~ Dirichlet(alpha), shape of the uniforms `u` (alpha = 1: normalised -log(u), else
+  gamma draws from `key`)."""
   if alpha == 1.0:
     x = -jnp.log(u)
   else:
@@ -256,16 +248,8 @@ PREDICT = ("state", "observation")
 
 @dataclasses.dataclass
 class HMMTask(WindTunnel):
-  """A fresh HMM per sequence, its parameters in a header; filtering (default) or prediction.
-
-  Options: `n_states` S (5), `n_symbols` K (5), `length` (observations per sequence; default
-  fills the sequence after the header), `alpha` (Dirichlet concentration of the rows, 1.0),
-  `n_levels` Q (discretisation levels of the header, 10), `predict` ("state": the filtered
-  posterior over hidden states, read from the model as an S-way output on the state-label
-  tokens, the default; "observation": the next-observation predictive), `stickiness` rho in
-  [0, 1) (each transition row is `(1 - rho) Dirichlet + rho e_i` before discretisation: sticky
-  chains make the history matter beyond the last observation; 0 = the papers' generator).
-  """
+  """A fresh HMM per sequence, its parameters in a header; filtering (default) or prediction
+  (options: docs/windtunnel.md)."""
 
   seq_len: int
   seed: int
@@ -363,15 +347,8 @@ class HMMTask(WindTunnel):
 
     header = jnp.concatenate([lev_T.reshape(-1), lev_E.reshape(-1)]) + (self.level_offset - 1)
     n_tail = T + 1 - self.header_len - L
-    tokens = jnp.concatenate(
-      [
-        jnp.array([self.bos]),
-        header,
-        jnp.array([self.sep]),
-        obs,
-        jnp.full((n_tail,), self.pad),
-      ]
-    ).astype(jnp.int32)
+    tail = jnp.full((n_tail,), self.pad)
+    tokens = jnp.hstack([self.bos, header, self.sep, obs, tail]).astype(jnp.int32)
     targets = tokens[1:]
 
     # input positions: SEP at h-1, o_t at h-1+t (t = 1..L)
@@ -406,14 +383,9 @@ class HMMTask(WindTunnel):
   def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
     return jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
 
-  # ------------------------------------------------------------------------------ baselines
-
-  BASELINES = ("uniform", "header_only", "header_blind", "last_obs")
-
   def baselines(self, inputs) -> dict[str, np.ndarray]:
-    """Exact reference guesses at the supervised positions of ``inputs [B,T]`` (numpy float64,
-    ``[B,T,V]``, zero rows elsewhere), each from a restricted view of the sequence: ``uniform``,
-    ``header_only``, ``header_blind``, ``last_obs`` (docs/windtunnel.md, "The HMM baselines")."""
+    """Exact reference guesses ``{name: [B,T,V] float64}`` at the supervised positions of
+    ``inputs [B,T]`` (docs/windtunnel.md, "The HMM baselines")."""
     inputs = np.asarray(inputs)
     B, T = inputs.shape
     S, K, L, h = self.n_states, self.n_symbols, self.length, self.header_len
