@@ -160,6 +160,13 @@ METRICS: tuple[Metric, ...] = (
   ),
   _m("layer_grad_norm", "block", "diag", "gradient L2 norm of each block's parameters"),
   _m(
+    "update_ratio",
+    "block",
+    "diag",
+    "RMS(optimizer update) / RMS(parameters before it) of each block's parameters",
+    log=True,
+  ),
+  _m(
     "out_logit_max",
     "scalar",
     "diag",
@@ -216,6 +223,7 @@ SUMMARY_FIELDS = {
   "nonfinite": "non-finite steps skipped",
   "spikes": "steps with a loss or gradient spike",
   "divergence": '{"step", "reason"} where the divergence rule fired, else null',
+  "first_nonfinite": '{"step", "layer", "tensor"} of the first non-finite step, else null',
   "eval/*": "the last evaluation's scalar metrics",
 }
 

@@ -49,7 +49,42 @@ def make_loss(model, cfg):
   return loss_fn
 
 
-def make_train_step(model, tx, schedule, cfg):
+#: What :func:`locate_nonfinite` can name, in the order the step computes them.
+NONFINITE_TENSORS = ("stream_in", "branch", "stream_out", "logits", "loss", "grad_stream", "grads")
+
+
+def locate_nonfinite(loss_fn, cfg, params, batch) -> jax.Array:
+  """``[layer, tensor]`` (int32) of the first non-finite value in the order the step computes
+  them: per mixer layer ``l = 0..2L-1`` the stream entering it, the sublayer's output and the
+  stream leaving it (the stats ``rms_in``, ``branch_rms``, ``rms_out``); the output logits; the
+  loss; back from the output, dLoss/d(stream entering ``l``) (``grad_rms``); the parameter
+  gradients. ``tensor`` indexes :data:`NONFINITE_TENSORS`; -1 where none is (``layer`` is -1 for
+  the ones that are not per layer)."""
+  b, t = batch["inputs"].shape
+  probes = zero_probes(cfg.model, b, t, squares=True)
+  (_, (loss, _, aux)), (grads, (sq_layers, _)) = jax.value_and_grad(
+    loss_fn, argnums=(0, 1), has_aux=True
+  )(params, probes, batch)
+  s = aux["stats"]
+  fwd = jnp.stack([s["rms_in"], s["branch_rms"], s["rms_out"]], axis=1)  # [2L, 3]
+  L2 = fwd.shape[0]
+  grad_sq = sum(g.reshape(L2) for g in jax.tree.leaves(sq_layers))[::-1]  # from the output back
+  logits = jnp.stack([aux["out_logit_max"], aux["logsumexp_max"]])
+  bad = ~jnp.isfinite(
+    jnp.concatenate([fwd.reshape(-1), logits, loss[None], grad_sq, optax.tree.norm(grads)[None]])
+  )
+  layer = jnp.concatenate([jnp.repeat(jnp.arange(L2), 3), jnp.full(3, -1), jnp.arange(L2)[::-1]])
+  layer = jnp.concatenate([layer, jnp.array([-1])])
+  tensor = jnp.concatenate(
+    [jnp.tile(jnp.arange(3), L2), jnp.array([3, 3, 4]), jnp.full(L2, 5), jnp.array([6])]
+  )
+  i = jnp.argmax(bad)
+  return jnp.where(bad.any(), jnp.stack([layer[i], tensor[i]]), -1).astype(jnp.int32)
+
+
+def make_train_step(model, tx, schedule, cfg, locate: bool = True):
+  """``step(state, batch, diag)``. With diagnostics on (``train.diag_every``) and ``locate``, a
+  non-finite step also reports ``nonfinite_at`` (:func:`locate_nonfinite`, run only then)."""
   loss_fn = make_loss(model, cfg)
   clip = cfg.optim.clip or 0.0
 
@@ -89,6 +124,17 @@ def make_train_step(model, tx, schedule, cfg):
     if diag:
       size = sum(a.size for a in jax.tree.leaves(state_shapes(cfg.model, b, t)))
       metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth, size)
+      if "blocks" in grads["params"]:  # update-to-parameter ratio per block
+        norms = dg.tree_layer_norms
+        metrics["update_ratio"] = norms(updates["params"]["blocks"]) / norms(
+          state.params["params"]["blocks"]
+        )
+    if locate and cfg.train.diag_every:
+      metrics["nonfinite_at"] = jax.lax.cond(
+        finite,
+        lambda: jnp.full(2, -1, jnp.int32),
+        lambda: locate_nonfinite(loss_fn, cfg, state.params, batch),
+      )
     return new, metrics
 
   return step
