@@ -159,13 +159,7 @@ METRICS: tuple[Metric, ...] = (
     summary={"attn_logit_max": "max_all_layers"},
   ),
   _m("layer_grad_norm", "block", "diag", "gradient L2 norm of each block's parameters"),
-  _m(
-    "update_ratio",
-    "block",
-    "diag",
-    "RMS(optimizer update) / RMS(parameters before it) of each block's parameters",
-    log=True,
-  ),
+  _m("update_ratio", "block", "diag", "RMS(update) / RMS(parameters) of each block", log=True),
   _m(
     "out_logit_max",
     "scalar",

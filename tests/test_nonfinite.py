@@ -88,6 +88,7 @@ def test_a_nan_loss_with_finite_layers_is_the_loss_and_diag_off_is_not_located(t
     assert {k: event[k] for k in ("layer", "tensor")} == want
 
 
+@pytest.mark.slow
 def test_population_locates_each_failing_member(tmp_path):
   from mhc_jax.sweep.population import PopulationProgram
 

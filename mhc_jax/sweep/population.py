@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from functools import partial
 from typing import Sequence
 
 import jax
@@ -131,12 +130,11 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
     )
     freeze = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
     if cfg.train.diag_every:  # a cond outside the vmap: located only when a member fails
-      loc = jax.vmap(partial(locate_nonfinite, make_loss(model, cfg), cfg), in_axes=(0, b_axis))
-      metrics["nonfinite_at"] = jax.lax.cond(
-        jnp.all(metrics["finite"] | ~active),
-        lambda: jnp.full((len(lrs), 2), -1, jnp.int32),
-        lambda: loc(state.params, batch),
-      )
+      loss = make_loss(model, cfg)
+      loc = jax.vmap(lambda p, b: locate_nonfinite(loss, cfg, p, b), in_axes=(0, b_axis))
+      none = lambda: jnp.full((len(lrs), 2), -1, jnp.int32)
+      ok = jnp.all(metrics["finite"] | ~active)
+      metrics["nonfinite_at"] = jax.lax.cond(ok, none, lambda: loc(state.params, batch))
     return jax.tree.map(freeze, new, state), metrics
 
   evaluate = jax.vmap(make_eval_step(model, cfg), in_axes=(0, b_axis))

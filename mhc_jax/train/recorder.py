@@ -28,7 +28,7 @@ class Recorder:
     self.monitor = spikes.SpikeMonitor(window=t.spike_window, threshold=t.spike_threshold)
     self.divergence = spikes.DivergenceRule()
     self.diverged: dict | None = None  # {"step", "reason"} once the rule fired
-    self.first_nonfinite: dict | None = None  # {"step", "layer", "tensor"} of the first
+    self.first_nonfinite: dict | None = None  # {"step", "layer", "tensor"}
     self.halt_message = ""
     self.last_loss = math.nan
     self.last_eval: dict = {}
@@ -101,14 +101,11 @@ class Recorder:
       events, score = self.monitor.update(step, rec["loss"], rec["grad_norm"])
     else:
       events, score = self.monitor.skip(step)
-      where = {  # None: not located (diagnostics off) or not per layer
-        "layer": None if layer < 0 else layer,
-        "tensor": None if code < 0 else NONFINITE_TENSORS[code],
-      }
+      # None (-1): not located (diagnostics off), or not per layer
+      where = {"layer": None if layer < 0 else layer, "tensor": (*NONFINITE_TENSORS, None)[code]}
       self.first_nonfinite = self.first_nonfinite or {"step": step, **where}
-      events.append(
-        {"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0, **where}
-      )
+      events.append({"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0})
+      events[-1] |= where
     rec["spike_score"] = score
     fired = self.divergence.update(rec["loss"] if finite else math.nan)
     if fired and self.diverged is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mhc_jax import diagnostics as dg, posterior
@@ -54,12 +55,9 @@ NONFINITE_TENSORS = ("stream_in", "branch", "stream_out", "logits", "loss", "gra
 
 
 def locate_nonfinite(loss_fn, cfg, params, batch) -> jax.Array:
-  """``[layer, tensor]`` (int32) of the first non-finite value in the order the step computes
-  them: per mixer layer ``l = 0..2L-1`` the stream entering it, the sublayer's output and the
-  stream leaving it (the stats ``rms_in``, ``branch_rms``, ``rms_out``); the output logits; the
-  loss; back from the output, dLoss/d(stream entering ``l``) (``grad_rms``); the parameter
-  gradients. ``tensor`` indexes :data:`NONFINITE_TENSORS`; -1 where none is (``layer`` is -1 for
-  the ones that are not per layer)."""
+  """``[layer, tensor]`` of the first non-finite value in the order the step computes them
+  (docs/interfaces.md, "Metrics records"); ``tensor`` indexes :data:`NONFINITE_TENSORS`, -1 for
+  none (``layer``: -1 for none or not per layer)."""
   b, t = batch["inputs"].shape
   probes = zero_probes(cfg.model, b, t, squares=True)
   (_, (loss, _, aux)), (grads, (sq_layers, _)) = jax.value_and_grad(
@@ -73,18 +71,13 @@ def locate_nonfinite(loss_fn, cfg, params, batch) -> jax.Array:
   bad = ~jnp.isfinite(
     jnp.concatenate([fwd.reshape(-1), logits, loss[None], grad_sq, optax.tree.norm(grads)[None]])
   )
-  layer = jnp.concatenate([jnp.repeat(jnp.arange(L2), 3), jnp.full(3, -1), jnp.arange(L2)[::-1]])
-  layer = jnp.concatenate([layer, jnp.array([-1])])
-  tensor = jnp.concatenate(
-    [jnp.tile(jnp.arange(3), L2), jnp.array([3, 3, 4]), jnp.full(L2, 5), jnp.array([6])]
-  )
-  i = jnp.argmax(bad)
-  return jnp.where(bad.any(), jnp.stack([layer[i], tensor[i]]), -1).astype(jnp.int32)
+  layer = np.r_[np.repeat(np.arange(L2), 3), -1, -1, -1, np.arange(L2)[::-1], -1]
+  tensor = np.r_[np.tile([0, 1, 2], L2), 3, 3, 4, np.full(L2, 5), 6]
+  at = jnp.asarray(np.stack([layer, tensor], 1), jnp.int32)[jnp.argmax(bad)]
+  return jnp.where(bad.any(), at, -1)
 
 
 def make_train_step(model, tx, schedule, cfg, locate: bool = True):
-  """``step(state, batch, diag)``. With diagnostics on (``train.diag_every``) and ``locate``, a
-  non-finite step also reports ``nonfinite_at`` (:func:`locate_nonfinite`, run only then)."""
   loss_fn = make_loss(model, cfg)
   clip = cfg.optim.clip or 0.0
 
@@ -125,16 +118,11 @@ def make_train_step(model, tx, schedule, cfg, locate: bool = True):
       size = sum(a.size for a in jax.tree.leaves(state_shapes(cfg.model, b, t)))
       metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth, size)
       if "blocks" in grads["params"]:  # update-to-parameter ratio per block
-        norms = dg.tree_layer_norms
-        metrics["update_ratio"] = norms(updates["params"]["blocks"]) / norms(
-          state.params["params"]["blocks"]
-        )
-    if locate and cfg.train.diag_every:
-      metrics["nonfinite_at"] = jax.lax.cond(
-        finite,
-        lambda: jnp.full(2, -1, jnp.int32),
-        lambda: locate_nonfinite(loss_fn, cfg, state.params, batch),
-      )
+        blocks = lambda tree: dg.tree_layer_norms(tree["params"]["blocks"])
+        metrics["update_ratio"] = blocks(updates) / blocks(state.params)
+    if locate and cfg.train.diag_every:  # nonfinite_at, computed only at a non-finite step
+      where = lambda: locate_nonfinite(loss_fn, cfg, state.params, batch)
+      metrics["nonfinite_at"] = jax.lax.cond(finite, lambda: jnp.full(2, -1, jnp.int32), where)
     return new, metrics
 
   return step
