@@ -159,7 +159,7 @@ METRICS: tuple[Metric, ...] = (
     summary={"attn_logit_max": "max_all_layers"},
   ),
   _m("layer_grad_norm", "block", "diag", "gradient L2 norm of each block's parameters"),
-  _m("update_ratio", "block", "diag", "RMS(update) / RMS(parameters) of each block", log=True),
+  _m("update_ratio", "block", "diag", "RMS(update) / RMS(params before it) per block", log=True),
   _m(
     "out_logit_max",
     "scalar",
