@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--widths", default="32,64,128,256", help="comma-separated (at the depth)")
   c.add_argument("--depths", default="2,4,8,16", help="comma-separated (at the width)")
   c.add_argument("--steps", type=int, default=4, help="training steps at each size")
-  c.add_argument("--out", required=True, help="a new directory for the CSV, verdicts and plot")
+  c.add_argument("--out", required=True, help="a new directory for the CSV and the plot")
   c.add_argument("--quiet", action="store_true", help="no progress bar")
   c.set_defaults(fn=cmd_coord_check)
   return ap

@@ -50,8 +50,8 @@ def measure(setup, steps: int) -> list[tuple]:
 
 
 def run(make_cfg, widths, depths, steps: int, progress: bool = True) -> pd.DataFrame:
-  """The CSV's rows; ``make_cfg(width, depth)`` is the config at a size (``None``: the base
-  config's, so widths go at its depth and depths at its width). Every size is checked first."""
+  """The CSV's rows. ``make_cfg(width, depth)``: the config at a size (None: the base's, so widths
+  go at its depth and depths at its width); every size is checked before any trains."""
   from mhc_jax.train.loop import prepare
 
   plan = [("width", w, None) for w in widths] + [("depth", None, d) for d in depths]
