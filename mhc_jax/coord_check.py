@@ -63,12 +63,17 @@ def run(make_cfg, widths, depths, steps: int, progress: bool = True) -> pd.DataF
   return pd.DataFrame(rows, columns=COLUMNS)
 
 
+def _last(df: pd.DataFrame) -> pd.DataFrame:
+  """The last block's rows (the stream the output reads) at the last step."""
+  return df[(df.step == df.step.max()) & (df.layer == df.depth - 1)]
+
+
 def verdicts(df: pd.DataFrame) -> pd.DataFrame:
-  """Per axis and quantity: the log-log slope against size of the mean over blocks at the last
+  """Per axis and quantity: the log-log slope against size of the last block's value at the last
   step, and ``growing`` (slope > SLOPE_TOL), ``shrinking`` (< -SLOPE_TOL) or ``flat``."""
   out = []
-  for (axis, q), g in df[df.step == df.step.max()].groupby(["axis", "quantity"], sort=False):
-    y = g.groupby(axis)["value"].mean()
+  for (axis, q), g in _last(df).groupby(["axis", "quantity"], sort=False):
+    y = g.groupby(axis)["value"].mean()  # one row per size
     slope, word = np.nan, "undefined (non-finite or zero values)"
     if np.isfinite(y).all() and (y > 0).all():
       slope = float(np.polyfit(np.log(y.index.to_numpy(float)), np.log(y.to_numpy()), 1)[0])
@@ -78,15 +83,15 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot(df: pd.DataFrame, path) -> None:
-  """Per axis and quantity, the mean over blocks at the last step against size, log-log."""
+  """Per axis and quantity, what the verdict fits (:func:`_last`) against size, log-log."""
   import matplotlib.pyplot as plt
 
-  last, qs = df[df.step == df.step.max()], list(dict.fromkeys(df.quantity))
+  last, qs = _last(df), list(dict.fromkeys(df.quantity))
   fig, axes = plt.subplots(2, len(qs), figsize=(4 * len(qs), 7), squeeze=False)
   for (i, axis), (j, q) in ((a, b) for a in enumerate(("width", "depth")) for b in enumerate(qs)):
     by = last[(last.axis == axis) & (last.quantity == q)].groupby(axis)
     axes[i, j].loglog(by["value"].mean(), "o-")
-    axes[i, j].set(xlabel=axis, title=f"{q}, block mean, step {df.step.max()}")
+    axes[i, j].set(xlabel=axis, title=f"{q}, last block, step {df.step.max()}")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)

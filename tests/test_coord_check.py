@@ -1,6 +1,6 @@
 """``mhc-jax coord-check``: the verdict rule on planted frames, growing against flat on planted
-parametrisations (an init whose scale grows with width against the standard one), the CLI's
-files, and bad input."""
+parametrisations (an init whose scale grows with width against the standard one; the standard
+init against depth_scaled along depth), the CLI's files, and bad input."""
 
 from __future__ import annotations
 
@@ -61,6 +61,23 @@ def test_an_init_growing_with_width_grows_and_the_standard_init_stays_flat(tmp_p
   assert (flat[(flat.step == 0) & (flat.quantity != "act_rms")].value == 0).all()
   cc.plot(pd.concat([grows, flat.assign(axis="depth", depth=flat.width)]), tmp_path / "p.png")
   assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.slow
+def test_the_standard_init_grows_with_depth_and_depth_scaled_stays_flat():
+  """A pre-norm residual stream's RMS grows as sqrt(depth) at the standard init (slope ~0.5) and
+  stays flat with branches scaled by 1/sqrt(2L) (``model.init=depth_scaled``, ~0.1)."""
+
+  def cfg(init):
+    return lambda w, d: load_config(
+      None, [*TINY, "model.width=16", f"model.depth={d}", f"model.init={init}"]
+    )
+
+  grows = cc.run(cfg("standard"), [], [1, 4], 2, progress=False)
+  flat = cc.run(cfg("depth_scaled"), [], [1, 4], 2, progress=False)
+  assert set(grows.depth) == {1, 4} and set(grows[grows.depth == 4].layer) == {0, 1, 2, 3}
+  verdict = lambda df: cc.verdicts(df).set_index("quantity").verdict.to_dict()
+  assert verdict(grows)["act_rms"] == "growing" and verdict(flat)["act_rms"] == "flat"
 
 
 @pytest.mark.slow
