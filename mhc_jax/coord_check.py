@@ -1,7 +1,6 @@
 """``mhc-jax coord-check MIXER``: microsoft/mup's coordinate check (CompleteP, arXiv:2505.01618,
 for depth): per block, activation and update RMS after a few steps against width and depth, and
-a verdict per quantity. The quantities and the rule: docs/statistics.md, "Coordinate checks".
-"""
+a verdict per quantity. The quantities and the rule: docs/statistics.md, "Coordinate checks"."""
 
 from __future__ import annotations
 
@@ -17,6 +16,8 @@ from tqdm.auto import tqdm
 
 from mhc_jax.diagnostics import tree_layer_norms
 from mhc_jax.errors import UsageError
+from mhc_jax.train.config import load_config
+from mhc_jax.train.loop import SingleProgram, prepare
 
 #: |log-log slope| above which a quantity grows (shrinks) with size: 2^0.25 = 1.19x per doubling.
 SLOPE_TOL = 0.25
@@ -27,8 +28,6 @@ FIXED = ("model.scan=true", "optim.warmup_steps=0", "optim.schedule=constant", "
 
 def measure(setup, steps: int) -> list[tuple]:
   """``(layer, quantity, step, value)`` on batch 0 after ``step = 0..steps`` updates (one device)."""
-  from mhc_jax.train.loop import SingleProgram
-
   program = SingleProgram(setup)
   state, x = program.init(), program.batch(0)["inputs"]
   sown = lambda p: program.model.apply(p, x, stats=False, mutable=["intermediates"])[1]
@@ -52,8 +51,6 @@ def measure(setup, steps: int) -> list[tuple]:
 def run(make_cfg, widths, depths, steps: int, progress: bool = True) -> pd.DataFrame:
   """The CSV's rows. ``make_cfg(width, depth)``: the config at a size (None: the base's, so widths
   go at its depth and depths at its width); every size is checked before any trains."""
-  from mhc_jax.train.loop import prepare
-
   plan = [("width", w, None) for w in widths] + [("depth", None, d) for d in depths]
   plan = [(axis, prepare(make_cfg(w, d), devices=jax.devices()[:1])) for axis, w, d in plan]
   rows = []
@@ -105,8 +102,6 @@ def _sizes(flag: str, text: str) -> list[int]:
 
 
 def main(args) -> int:
-  from mhc_jax.train.config import load_config
-
   widths, depths = _sizes("--widths", args.widths), _sizes("--depths", args.depths)
   if (out := Path(args.out)).exists():
     raise UsageError(f"--out: {out} exists; coord-check never overwrites, name a new directory")
