@@ -1,4 +1,4 @@
-"""``mhc-jax train | sweep | report | eval``.
+"""``mhc-jax train | sweep | report | eval | coord-check``.
 
 Bad input is one ``error: ...`` line and exit 2, before anything is written; the exit codes are
 in :mod:`mhc_jax.errors`."""
@@ -144,6 +144,12 @@ def cmd_eval(args) -> int:
   return evaluate.main(args)
 
 
+def cmd_coord_check(args) -> int:
+  from mhc_jax import coord_check
+
+  return coord_check.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
   ap = _Parser(prog="mhc-jax", description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -185,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--run", required=True, help="run directory")
   e.add_argument("--batches", type=int, default=8, help="validation batches to average")
   e.set_defaults(fn=cmd_eval)
+  c = sub.add_parser("coord-check", help="activation/update RMS against width and depth")
+  c.add_argument("mixer", help="a mixer name (its options: --set model.mixer_options.K=V)")
+  c.add_argument("--config", help="base YAML config (default: the config defaults)")
+  _add_set_flag(c, "overrides of the base config, e.g. optim.lr=1e-2 (may be repeated)")
+  c.add_argument("--widths", default="32,64,128,256", help="comma-separated (at the depth)")
+  c.add_argument("--depths", default="2,4,8,16", help="comma-separated (at the width)")
+  c.add_argument("--steps", type=int, default=4, help="training steps at each size")
+  c.add_argument("--out", required=True, help="a new directory for the CSV and the plot")
+  c.add_argument("--quiet", action="store_true", help="no progress bar")
+  c.set_defaults(fn=cmd_coord_check)
   return ap
 
 

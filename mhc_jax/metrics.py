@@ -159,6 +159,7 @@ METRICS: tuple[Metric, ...] = (
     summary={"attn_logit_max": "max_all_layers"},
   ),
   _m("layer_grad_norm", "block", "diag", "gradient L2 norm of each block's parameters"),
+  _m("update_ratio", "block", "diag", "RMS(update) / RMS(params before it) per block", log=True),
   _m(
     "out_logit_max",
     "scalar",
@@ -216,6 +217,7 @@ SUMMARY_FIELDS = {
   "nonfinite": "non-finite steps skipped",
   "spikes": "steps with a loss or gradient spike",
   "divergence": '{"step", "reason"} where the divergence rule fired, else null',
+  "first_nonfinite": '{"step", "layer", "tensor"} of the first non-finite step, else null',
   "eval/*": "the last evaluation's scalar metrics",
 }
 

@@ -13,7 +13,8 @@ below, never above:
    (sinkhorn, mixers, model, diagnostics, spikes, data, posterior, probes, testing, baselines)
    and the plumbing it shares with training (errors, storage, rundir, logs, tb);
 1. ``mhc_jax.train``: one training run;
-2. ``mhc_jax.evaluate``: a trained run's held-out evaluation (it restores train's state);
+2. ``mhc_jax.evaluate``: a trained run's held-out evaluation (it restores train's state), and
+   ``mhc_jax.coord_check``: short training runs at several sizes, compared;
 3. the sweep's parts (``mhc_jax.sweep``, but grid and runner): the settings, the manifest, the
    population, the worker, the executor, progress, post-run evaluation and the report;
 4. the sweep's plan and driver: ``mhc_jax.sweep.grid`` (a sweep file expanded into runs and
@@ -38,6 +39,7 @@ def _module(path: Path) -> str:
 FLOORS: dict[str, int] = {
   "mhc_jax.train": 1,
   "mhc_jax.evaluate": 2,
+  "mhc_jax.coord_check": 2,
   "mhc_jax.sweep": 3,
   "mhc_jax.sweep.grid": 4,
   "mhc_jax.sweep.runner": 4,

@@ -21,7 +21,7 @@ from mhc_jax.train.config import Config, ConfigError, to_dict
 from mhc_jax.train.loop import Program, Setup, host_batch, run_members
 from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import State, init_fn, state_shardings
-from mhc_jax.train.step import make_eval_step, make_train_step
+from mhc_jax.train.step import locate_nonfinite, make_eval_step, make_loss, make_train_step
 
 # ------------------------------------------------------------------------------------------
 # Who can be a population.
@@ -122,13 +122,19 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
 
   def member_step(state, lr, batch, diag):
     m_tx, m_schedule = make_optimizer(cfg.optim, steps, lr=lr)
-    return make_train_step(model, m_tx, m_schedule, cfg)(state, batch, diag)
+    return make_train_step(model, m_tx, m_schedule, cfg, locate=False)(state, batch, diag)
 
   def pop_step(state, lrs, active, batch, diag):
     new, metrics = jax.vmap(lambda s, lr, b: member_step(s, lr, b, diag), in_axes=(0, 0, b_axis))(
       state, lrs, batch
     )
     freeze = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+    if cfg.train.diag_every:  # a cond outside the vmap: located only when a member fails
+      loss = make_loss(model, cfg)
+      loc = jax.vmap(lambda p, b: locate_nonfinite(loss, cfg, p, b), in_axes=(0, b_axis))
+      none = lambda: jnp.full((len(lrs), 2), -1, jnp.int32)
+      ok = jnp.all(metrics["finite"] | ~active)
+      metrics["nonfinite_at"] = jax.lax.cond(ok, none, lambda: loc(state.params, batch))
     return jax.tree.map(freeze, new, state), metrics
 
   evaluate = jax.vmap(make_eval_step(model, cfg), in_axes=(0, b_axis))

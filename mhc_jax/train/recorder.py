@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from mhc_jax import logs, rundir, spikes, storage
+from mhc_jax.train.step import NONFINITE_TENSORS
 
 __all__ = ["Recorder"]
 
@@ -27,6 +28,7 @@ class Recorder:
     self.monitor = spikes.SpikeMonitor(window=t.spike_window, threshold=t.spike_threshold)
     self.divergence = spikes.DivergenceRule()
     self.diverged: dict | None = None  # {"step", "reason"} once the rule fired
+    self.first_nonfinite: dict | None = None  # {"step", "layer", "tensor"}
     self.halt_message = ""
     self.last_loss = math.nan
     self.last_eval: dict = {}
@@ -44,6 +46,7 @@ class Recorder:
       self.monitor.load_state_dict(host["monitor"])
       self.divergence.load_state_dict(host["divergence"])
       self.diverged = host.get("diverged")
+      self.first_nonfinite = host.get("first_nonfinite")
       self.wall_before = float(host.get("wall_s", 0.0))
     if not self.main:
       return
@@ -71,6 +74,7 @@ class Recorder:
       "monitor": self.monitor.state_dict(),
       "divergence": self.divergence.state_dict(),
       "diverged": self.diverged,
+      "first_nonfinite": self.first_nonfinite,
       "wall_s": self.wall_s(),
     }
 
@@ -91,12 +95,17 @@ class Recorder:
     Returns the halt message when a policy stops the run at this step, else None."""
     cfg = self.cfg.train
     finite = bool(rec.pop("finite"))
+    layer, code = rec.pop("nonfinite_at", (-1, -1))
     rec["step_time_s"], rec["tokens_per_s"] = dt, tokens / dt if dt > 0 else math.nan
     if finite:
       events, score = self.monitor.update(step, rec["loss"], rec["grad_norm"])
     else:
       events, score = self.monitor.skip(step)
+      # None (-1): not located (diagnostics off), or not per layer
+      where = {"layer": None if layer < 0 else layer, "tensor": (*NONFINITE_TENSORS, None)[code]}
+      self.first_nonfinite = self.first_nonfinite or {"step": step, **where}
       events.append({"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0})
+      events[-1] |= where
     rec["spike_score"] = score
     fired = self.divergence.update(rec["loss"] if finite else math.nan)
     if fired and self.diverged is None:
@@ -164,6 +173,7 @@ class Recorder:
       "nonfinite": nonfinite,
       "spikes": self.monitor.total_spikes,
       "divergence": self.diverged,
+      "first_nonfinite": self.first_nonfinite,
       **self.last_eval,
       **self.extra,
     }

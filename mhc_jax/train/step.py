@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mhc_jax import diagnostics as dg, posterior
@@ -49,7 +50,34 @@ def make_loss(model, cfg):
   return loss_fn
 
 
-def make_train_step(model, tx, schedule, cfg):
+#: What :func:`locate_nonfinite` can name, in the order the step computes them.
+NONFINITE_TENSORS = ("stream_in", "branch", "stream_out", "logits", "loss", "grad_stream", "grads")
+
+
+def locate_nonfinite(loss_fn, cfg, params, batch) -> jax.Array:
+  """``[layer, tensor]`` of the first non-finite value in the order the step computes them
+  (docs/interfaces.md, "Metrics records"); ``tensor`` indexes :data:`NONFINITE_TENSORS`, -1 for
+  none (``layer``: -1 for none or not per layer)."""
+  b, t = batch["inputs"].shape
+  probes = zero_probes(cfg.model, b, t, squares=True)
+  (_, (loss, _, aux)), (grads, (sq_layers, _)) = jax.value_and_grad(
+    loss_fn, argnums=(0, 1), has_aux=True
+  )(params, probes, batch)
+  s = aux["stats"]
+  fwd = jnp.stack([s["rms_in"], s["branch_rms"], s["rms_out"]], axis=1)  # [2L, 3]
+  L2 = fwd.shape[0]
+  grad_sq = sum(g.reshape(L2) for g in jax.tree.leaves(sq_layers))[::-1]  # from the output back
+  logits = jnp.stack([aux["out_logit_max"], aux["logsumexp_max"]])
+  bad = ~jnp.isfinite(
+    jnp.concatenate([fwd.reshape(-1), logits, loss[None], grad_sq, optax.tree.norm(grads)[None]])
+  )
+  layer = np.r_[np.repeat(np.arange(L2), 3), -1, -1, -1, np.arange(L2)[::-1], -1]
+  tensor = np.r_[np.tile([0, 1, 2], L2), 3, 3, 4, np.full(L2, 5), 6]
+  at = jnp.asarray(np.stack([layer, tensor], 1), jnp.int32)[jnp.argmax(bad)]
+  return jnp.where(bad.any(), at, -1)
+
+
+def make_train_step(model, tx, schedule, cfg, locate: bool = True):
   loss_fn = make_loss(model, cfg)
   clip = cfg.optim.clip or 0.0
 
@@ -89,6 +117,12 @@ def make_train_step(model, tx, schedule, cfg):
     if diag:
       size = sum(a.size for a in jax.tree.leaves(state_shapes(cfg.model, b, t)))
       metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth, size)
+      if "blocks" in grads["params"]:  # update-to-parameter ratio per block
+        blocks = lambda tree: dg.tree_layer_norms(tree["params"]["blocks"])
+        metrics["update_ratio"] = blocks(updates) / blocks(state.params)
+    if locate and cfg.train.diag_every:  # nonfinite_at, computed only at a non-finite step
+      where = lambda: locate_nonfinite(loss_fn, cfg, state.params, batch)
+      metrics["nonfinite_at"] = jax.lax.cond(finite, lambda: jnp.full(2, -1, jnp.int32), where)
     return new, metrics
 
   return step

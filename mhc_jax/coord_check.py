@@ -1,0 +1,118 @@
+"""``mhc-jax coord-check MIXER``: microsoft/mup's coordinate check (CompleteP, arXiv:2505.01618,
+for depth): per block, activation and update RMS after a few steps against width and depth, and
+a verdict per quantity. The quantities and the rule: docs/statistics.md, "Coordinate checks"."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pandas as pd
+from tqdm.auto import tqdm
+
+from mhc_jax.diagnostics import tree_layer_norms
+from mhc_jax.errors import UsageError
+from mhc_jax.train.config import load_config
+from mhc_jax.train.loop import SingleProgram, prepare
+
+#: |log-log slope| above which a quantity grows (shrinks) with size: 2^0.25 = 1.19x per doubling.
+SLOPE_TOL = 0.25
+COLUMNS = ["axis", "width", "depth", "layer", "quantity", "step", "value"]
+#: The check's own settings (a constant lr from the first step); --set may change them.
+FIXED = ("model.scan=true", "optim.warmup_steps=0", "optim.schedule=constant", "train.diag_every=0")
+
+
+def measure(setup, steps: int) -> list[tuple]:
+  """``(layer, quantity, step, value)`` on batch 0 after ``step = 0..steps`` updates (one device)."""
+  program = SingleProgram(setup)
+  state, x = program.init(), program.batch(0)["inputs"]
+  sown = lambda p: program.model.apply(p, x, stats=False, mutable=["intermediates"])[1]
+  L = setup.cfg.model.depth  # the stream leaving each block, [L, elements], float32:
+  stream = lambda p: sown(p)["intermediates"]["blocks"]["stream"][0].reshape(L, -1)
+  streams = jax.jit(lambda p: stream(p).astype(jnp.float32))
+  rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a), axis=1))
+  p0, s0 = jax.device_get(state.params["params"]["blocks"]), streams(state.params)
+  per_block = sum(a[0].size for a in jax.tree.leaves(p0))
+  rows = []
+  for t in range(steps + 1):
+    if t:
+      state, _ = program.step(state, None, t - 1, False)  # donates the old state
+    s, blocks = streams(state.params), state.params["params"]["blocks"]
+    dp = tree_layer_norms(jax.tree.map(jnp.subtract, blocks, p0)) / np.sqrt(per_block)
+    for q, v in (("act_rms", rms(s)), ("act_delta_rms", rms(s - s0)), ("param_delta_rms", dp)):
+      rows += [(layer, q, t, float(val)) for layer, val in enumerate(np.asarray(v))]
+  return rows
+
+
+def run(make_cfg, widths, depths, steps: int, progress: bool = True) -> pd.DataFrame:
+  """The CSV's rows. ``make_cfg(width, depth)``: the config at a size (None: the base's, so widths
+  go at its depth and depths at its width); every size is checked before any trains."""
+  plan = [("width", w, None) for w in widths] + [("depth", None, d) for d in depths]
+  plan = [(axis, prepare(make_cfg(w, d), devices=jax.devices()[:1])) for axis, w, d in plan]
+  rows = []
+  for axis, setup in tqdm(plan, desc="coord-check", disable=not progress, file=sys.stderr):
+    m = setup.cfg.model
+    rows += [(axis, m.width, m.depth, *r) for r in measure(setup, steps)]
+  return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def _last(df: pd.DataFrame) -> pd.DataFrame:
+  """The last block's rows (the stream the output reads) at the last step."""
+  return df[(df.step == df.step.max()) & (df.layer == df.depth - 1)]
+
+
+def verdicts(df: pd.DataFrame) -> pd.DataFrame:
+  """Per axis and quantity: the log-log slope against size of the last block's value at the last
+  step, and ``growing`` (slope > SLOPE_TOL), ``shrinking`` (< -SLOPE_TOL) or ``flat``."""
+  out = []
+  for (axis, q), g in _last(df).groupby(["axis", "quantity"], sort=False):
+    y = g.groupby(axis)["value"].mean()  # one row per size
+    slope, word = np.nan, "undefined (non-finite or zero values)"
+    if np.isfinite(y).all() and (y > 0).all():
+      slope = float(np.polyfit(np.log(y.index.to_numpy(float)), np.log(y.to_numpy()), 1)[0])
+      word = "growing" if slope > SLOPE_TOL else "shrinking" if slope < -SLOPE_TOL else "flat"
+    out.append((axis, q, slope, word))
+  return pd.DataFrame(out, columns=["axis", "quantity", "slope", "verdict"])
+
+
+def plot(df: pd.DataFrame, path) -> None:
+  """Per axis and quantity, what the verdict fits (:func:`_last`) against size, log-log."""
+  import matplotlib.pyplot as plt
+
+  last, qs = _last(df), list(dict.fromkeys(df.quantity))
+  fig, axes = plt.subplots(2, len(qs), figsize=(4 * len(qs), 7), squeeze=False)
+  for (i, axis), (j, q) in ((a, b) for a in enumerate(("width", "depth")) for b in enumerate(qs)):
+    by = last[(last.axis == axis) & (last.quantity == q)].groupby(axis)
+    axes[i, j].loglog(by["value"].mean(), "o-")
+    axes[i, j].set(xlabel=axis, title=f"{q}, last block, step {df.step.max()}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def _sizes(flag: str, text: str) -> list[int]:
+  sizes = sorted({int(v) for v in text.split(",")}) if re.fullmatch(r"\d+(,\d+)+", text) else []
+  if len(sizes) < 2 or sizes[0] < 1:
+    raise UsageError(f"{flag}: expected two or more comma-separated integers >= 1, got {text!r}")
+  return sizes
+
+
+def main(args) -> int:
+  widths, depths = _sizes("--widths", args.widths), _sizes("--depths", args.depths)
+  if (out := Path(args.out)).exists():
+    raise UsageError(f"--out: {out} exists; coord-check never overwrites, name a new directory")
+  base = [*FIXED, f"model.mixer={args.mixer}", f"train.steps={args.steps}", *args.set]
+  size = lambda k, v: [f"model.{k}={v}"] if v else []
+  make = lambda w, d: load_config(args.config, [*base, *size("width", w), *size("depth", d)])
+  df = run(make, widths, depths, args.steps, progress=not args.quiet)
+  out.mkdir(parents=True)
+  df.to_csv(out / "coord_check.csv", index=False)
+  plot(df, out / "coord_check.png")
+  for r in verdicts(df).itertuples():
+    print(f"{args.mixer} {r.quantity} against {r.axis}: {r.verdict} (slope {r.slope:+.2f})")
+  print(f"coord check: {out}/coord_check.csv, {out}/coord_check.png")
+  return 0
