@@ -2,6 +2,7 @@
 table against hand computations on planted frames; the report at each arm's best lr."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -148,3 +149,26 @@ def test_report_compares_at_each_arms_best_lr(tmp_path, monkeypatch):
   page = open(paths["summary_md"]).read()
   assert "compares the arms at each fixed lr" in page and "At each arm's own best lr" in page
   assert "paired_best_lr_csv" in paths
+
+
+def test_phase_map_analysis_from_a_runs_csv(tmp_path):
+  import importlib.util
+
+  root = Path(__file__).resolve().parents[1] / "docs" / "studies" / "phase_map" / "analysis.py"
+  spec = importlib.util.spec_from_file_location("phase_map_analysis", root)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  rows = [
+    dict(arm=a, width=w, depth=d, seed=s, loss_init=5.0, spike_count=0, eval_loss=2.0 + 0.1 * s)
+    | {lrmap.GAIN: 1.0 + d * (a == "hc")}
+    for a in ("hc", "mhc")
+    for w in (16, 32)
+    for d in (4, 8)
+    for s in range(2)
+  ]
+  rows[-1]["eval_loss"] = nan  # mhc, width 32, depth 8, seed 1 diverged
+  pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+  assert mod.main([str(tmp_path / "runs.csv")]) == 0
+  phase = pd.read_csv(tmp_path / "phase.csv")
+  assert len(phase) == 8 and phase["frac_unstable"].sum() == 0.5
+  assert (tmp_path / "phase_map.png").read_bytes()[:4] == b"\x89PNG"
