@@ -664,8 +664,6 @@ def lr_curves(runs: pd.DataFrame, path, *, y: str = "eval_loss", dpi: int = 110)
   for ax, arm in zip(axes.ravel(), arms):
     for k, depth in enumerate(depths):
       g = d[(d["arm"] == arm) & (d["depth"] == depth)].groupby("_lr")
-      if not len(g):
-        continue
       mid, lo, hi = (np.array([stats.mean_ci(v)[i] for _, v in g["_y"]]) for i in range(3))
       c, x = _shade("#1f3b73", k, len(depths)), np.array(list(g.groups))
       ax.plot(x, mid, "o-", color=c, ms=3, label=f"depth {depth}")
@@ -680,9 +678,8 @@ def lr_curves(runs: pd.DataFrame, path, *, y: str = "eval_loss", dpi: int = 110)
 
 
 def heatmaps(tab, path, *, x, y, values, panel=None, log=(), dpi: int = 110) -> str | None:
-  """Annotated heatmaps of ``tab``: one row of panels per column of ``values``, one panel per
-  value of ``panel``, cells ``y`` x ``x`` (log colour scale for the columns in ``log``; NaN
-  grey)."""
+  """Annotated heatmaps of ``tab``: a row of panels per column of ``values``, a panel per value of
+  ``panel``, cells ``y`` x ``x`` (log colour scale for the columns in ``log``; NaN grey)."""
   if not len(tab):
     return None
   keys = list(dict.fromkeys(tab[panel])) if panel else [None]

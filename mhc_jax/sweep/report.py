@@ -332,8 +332,7 @@ def lr_sensitivity_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def best_lr_rows(df: pd.DataFrame) -> pd.DataFrame:
-  """The runs at their arm's own best lr (:data:`mhc_jax.sweep.lrmap.RULE`, on the sentence's
-  endpoint) per group of the other axes; ``lr`` is then the result ``best_lr``, not an id."""
+  """The runs at their arm's own best lr (``lrmap.RULE``) per group of the other axes, as ``best_lr``."""
   d, ids = df[df["steps"] > 0], [c for c in _id_columns(df) if c != "lr"]
   out = lrmap.at_best_lr(d, [c for c in ids if c not in ("run", "seed")], _endpoint(d)[0])
   out = out.rename(columns={"lr": "best_lr"})
