@@ -122,12 +122,45 @@ def test_attention_sows_probabilities_apart_from_the_value_path():
   np.testing.assert_allclose(y, m.apply(params, x)[0], rtol=1e-6, atol=1e-6)
 
 
-def test_auto_attention_is_xla_off_nvidia_gpus():
-  assert jax.default_backend() == "cpu"
-  assert layers.resolve_attention("auto", jnp.bfloat16, 64) == "xla"
+def test_forced_and_unknown_attention():
   assert layers.resolve_attention("cudnn", jnp.float32, 64) == "cudnn"
   with pytest.raises(ValueError, match="unknown attention"):
     layers.resolve_attention("flash", jnp.float32, 64)
+
+
+class _Dev:
+  def __init__(self, platform, kind):
+    self.platform, self.device_kind = platform, kind
+
+
+@pytest.mark.parametrize(
+  "platform, kind, dtype, seq_len, want",
+  [  # docs/performance.md: measured on the 2-core CPU, and cuDNN on NVIDIA GPUs
+    ("cpu", "cpu", jnp.float32, 256, "materialized"),
+    ("cpu", "cpu", jnp.bfloat16, 1024, "materialized"),
+    ("cpu", "cpu", jnp.float32, 1025, "xla"),
+    ("cpu", "cpu", jnp.float32, None, "materialized"),
+    ("gpu", "NVIDIA H200", jnp.bfloat16, 4096, "cudnn"),
+    ("gpu", "NVIDIA H200", jnp.float32, 256, "xla"),
+    ("tpu", "TPU v5 lite", jnp.bfloat16, 256, "xla"),
+  ],
+)
+def test_auto_attention_per_backend_and_length(monkeypatch, platform, kind, dtype, seq_len, want):
+  monkeypatch.setattr(jax, "devices", lambda *a: [_Dev(platform, kind)])
+  assert layers.resolve_attention("auto", dtype, 64, seq_len) == want
+  assert layers.CPU_MATERIALIZED_MAX_T == 1024
+
+
+def test_auto_attention_in_the_model_follows_the_length(monkeypatch):
+  seen = []
+  real = layers.resolve_attention
+  monkeypatch.setattr(layers, "resolve_attention", lambda *a: seen.append(real(*a)) or seen[-1])
+  monkeypatch.setattr(layers, "CPU_MATERIALIZED_MAX_T", 8)
+  m = layers.Attention(heads=2)
+  for t in (8, 9):
+    x = jnp.ones((1, t, 8))
+    m.apply(m.init(jax.random.PRNGKey(0), x), x)
+  assert seen == ["materialized"] * 2 + ["xla"] * 2  # init and apply at 8, then at 9 tokens
 
 
 def _attention_temp_bytes(f, t, batch=2, heads=4, d=32) -> int:

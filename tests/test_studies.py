@@ -55,3 +55,21 @@ def test_paired_rows_pair_by_seed_and_holm_is_monotone():
   assert hc["diff"] == pytest.approx(1.0) and hc["lo"] == pytest.approx(1.0)
   assert hc["ratio"] == pytest.approx(2.0) and hc["p_holm"] == min(tab.p_holm)
   assert (tab.p_holm >= tab.p).all()
+
+
+@pytest.mark.parametrize("folder", ["lr_curves/pilot"])
+def test_lr_tables_recompute_from_runs_csv(folder, tmp_path):
+  """lr_sensitivity.csv and paired_best_lr.csv, recomputed from the committed runs.csv by the
+  study's analysis (the figures are drawn from the same rows)."""
+  here = STUDIES / folder
+  mod = _analysis("lr_curves")
+  assert mod.main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
+  for name in ("lr_sensitivity.csv", "paired_best_lr.csv"):
+    pd.testing.assert_frame_equal(
+      pd.read_csv(tmp_path / name), pd.read_csv(here / name), check_dtype=False, rtol=1e-9
+    )
+  assert {"lr_curves.png", "stable_lr.png"} <= {p.name for p in tmp_path.iterdir()}
+  runs = pd.read_csv(here / "runs.csv")
+  need = {"arm", "mixer", "depth", "width", "lr", "seed", "status", "loss_init", "eval_loss"}
+  assert need <= set(runs.columns)
+  assert runs.groupby(["arm", "depth", "lr"]).size().eq(runs["seed"].nunique()).all()

@@ -19,7 +19,10 @@ def test_every_study_names_a_gpu_variant_that_validates():
 
   studies = [p for p in sorted((ROOT / "configs" / "studies").glob("*.yaml"))]
   found = {p.name: study_cost.gpu_sweep(p) for p in studies}
-  for name in ("bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale.yaml", "bayes_thesis.yaml"):
+  for name in (
+    *("bayes_depth.yaml", "lr_proxies.yaml", "hc_mhc_scale.yaml", "bayes_thesis.yaml"),
+    *("lr_curves.yaml", "phase_map.yaml"),
+  ):
     assert found[name] is not None, name
     path, sets, variant = found[name]
     sweep = grid.read_sweep(path, sets, variant=variant)

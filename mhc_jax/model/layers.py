@@ -70,24 +70,31 @@ ATTENTION = ("auto", "xla", "cudnn", "materialized")  # model.attention's choice
 ATTN_CHUNK = 256
 
 
-def auto_attention(dtype, head_dim: int) -> str:
+CPU_MATERIALIZED_MAX_T = 1024  # auto on a CPU: materialized up to here (docs/performance.md)
+
+
+def auto_attention(dtype, head_dim: int, seq_len: int | None = None) -> str:
   """What ``model.attention: auto`` resolves to on this process's default backend.
 
   ``cudnn`` (cuDNN's fused flash attention) on an NVIDIA GPU when the compute dtype is bfloat16
   or float16 and the head dim is one cuDNN takes on every GPU generation (a multiple of 8 up to
-  128); ``xla`` everywhere else (the CPU, TPUs, float32 runs).
+  128); on a CPU ``materialized`` up to ``CPU_MATERIALIZED_MAX_T`` tokens (``seq_len`` None: short)
+  and ``xla`` beyond; ``xla`` everywhere else (TPUs, float32 GPU runs).
   """
   dev = jax.devices()[0]
   nvidia = dev.platform in ("gpu", "cuda") and "nvidia" in dev.device_kind.lower()
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  return "cudnn" if nvidia and half and head_dim % 8 == 0 and head_dim <= 128 else "xla"
+  if nvidia and half and head_dim % 8 == 0 and head_dim <= 128:
+    return "cudnn"
+  short = dev.platform == "cpu" and (seq_len or 0) <= CPU_MATERIALIZED_MAX_T
+  return "materialized" if short else "xla"
 
 
-def resolve_attention(name: str, dtype, head_dim: int) -> str:
+def resolve_attention(name: str, dtype, head_dim: int, seq_len: int | None = None) -> str:
   """``name`` (one of ``ATTENTION``) with ``auto`` replaced by ``auto_attention``."""
   if name not in ATTENTION:
     raise ValueError(f"unknown attention {name!r}; known: {', '.join(ATTENTION)}")
-  return auto_attention(dtype, head_dim) if name == "auto" else name
+  return auto_attention(dtype, head_dim, seq_len) if name == "auto" else name
 
 
 def _dpa_xla(q, k, v, q0: int | jax.Array):
@@ -161,7 +168,8 @@ class Attention(nn.Module):
 
   ``implementation`` (``model.attention``): ``xla`` (``xla_attention``), ``cudnn`` (cuDNN's fused
   flash attention through ``jax.nn.dot_product_attention``: NVIDIA GPUs, bfloat16/float16),
-  ``auto`` (``auto_attention``: cuDNN where it applies, else XLA), ``materialized``
+  ``auto`` (``auto_attention``: cuDNN where it applies, short sequences on a CPU materialized,
+  else XLA), ``materialized``
   (``causal_attention``: the ``[T, T]`` scores, the model's own form before the fused paths,
   kept for comparison). ``logit_max``: also return the largest causal pre-softmax
   logit (``causal_logit_max``, a separate score product: diagnostic steps only); False: None.
@@ -209,7 +217,7 @@ class Attention(nn.Module):
       q, k = rope(q), rope(k)
     self.sow("intermediates", "q", q)
     self.sow("intermediates", "k", k)
-    impl = resolve_attention(self.implementation, self.dtype, d)
+    impl = resolve_attention(self.implementation, self.dtype, d, q.shape[-3])
     swap = lambda a: jnp.swapaxes(a, -3, -2)  # [B, T, H, D] <-> [B, H, T, D]
     if impl == "materialized":
       y_BTHD = swap(causal_attention(swap(q), swap(k), swap(v), False, self.dtype)[0])

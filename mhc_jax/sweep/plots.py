@@ -642,3 +642,61 @@ def lr_sensitivity_curves(
   if panel:
     fig.suptitle(title, fontsize=12)
   return _save(fig, path, dpi)
+
+
+# =========================================================================== stability maps
+_GRID = dict(squeeze=False, layout="constrained")
+
+
+def lr_curves(runs: pd.DataFrame, path, *, y: str = "eval_loss", dpi: int = 110) -> str | None:
+  """Stability map: ``y`` against lr (log x), one panel per ``arm``, one line per depth (darker
+  = deeper): the seed mean of min(y, loss_init) (non-finite -> loss_init, as the LR sensitivity
+  counts it) and its 95% t band; X where any seed diverged (``runs["diverged"]``)."""
+  d = runs.assign(_lr=_num(runs["lr"]).to_numpy(), _y=_num(runs[y]).to_numpy())
+  if not len(d := d[np.isfinite(d["_lr"])]):
+    return None
+  d["_y"] = np.where(np.isfinite(d["_y"]), np.fmin(d["_y"], d["loss_init"]), d["loss_init"])
+  arms, depths = list(dict.fromkeys(d["arm"])), sorted(d["depth"].unique())
+  nr, nc = -(-len(arms) // 3), min(len(arms), 3)
+  fig, axes = plt.subplots(nr, nc, figsize=(4.4 * nc, 3.4 * nr), sharex=True, sharey=True, **_GRID)
+  for ax in axes.ravel()[len(arms) :]:
+    ax.set_visible(False)
+  for ax, arm in zip(axes.ravel(), arms):
+    for k, depth in enumerate(depths):
+      g = d[(d["arm"] == arm) & (d["depth"] == depth)].groupby("_lr")
+      mid, lo, hi = (np.array([stats.mean_ci(v)[i] for _, v in g["_y"]]) for i in range(3))
+      c, x = _shade("#1f3b73", k, len(depths)), np.array(list(g.groups))
+      ax.plot(x, mid, "o-", color=c, ms=3, label=f"depth {depth}")
+      ax.fill_between(x, lo, hi, color=c, **_BAND)
+      bad = g["diverged"].any().to_numpy()
+      ax.plot(x[bad], mid[bad], color=c, **_DIV)
+    ax.set(xscale="log", title=str(arm), xlabel="peak learning rate")
+    ax.set_ylabel(f"{y}, min(·, initial loss)") if ax.get_subplotspec().is_first_col() else None
+    ax.grid(True, alpha=0.3)
+  axes[0, 0].legend(fontsize=8, frameon=False)
+  return _save(fig, path, dpi)
+
+
+def heatmaps(tab, path, *, x, y, values, panel=None, log=(), dpi: int = 110) -> str | None:
+  """Annotated heatmaps of ``tab``: a row of panels per column of ``values``, a panel per value of
+  ``panel``, cells ``y`` x ``x`` (log colour scale for the columns in ``log``; NaN grey)."""
+  if not len(tab):
+    return None
+  keys = list(dict.fromkeys(tab[panel])) if panel else [None]
+  w, h = 0.9 * tab[x].nunique() * len(keys) + 2.5, (0.5 * tab[y].nunique() + 1.2) * len(values)
+  fig, axes = plt.subplots(len(values), len(keys), figsize=(w, h), **_GRID)
+  for i, col in enumerate(values):
+    for j, key in enumerate(keys):
+      sub = tab if key is None else tab[tab[panel] == key]
+      m = sub.pivot_table(index=y, columns=x, values=col, aggfunc="first", sort=False, dropna=False)
+      v, ax = m.to_numpy(dtype=float), axes[i, j]
+      ok = v[np.isfinite(v) & ((v > 0) if col in log else True)]
+      norm = LogNorm(ok.min(), ok.max()) if col in log and ok.size and ok.min() < ok.max() else None
+      cmap = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
+      ax.imshow(np.ma.masked_invalid(v), cmap=cmap, norm=norm, aspect="auto")
+      for (r, c), val in np.ndenumerate(v):
+        ax.text(c, r, f"{val:.3g}", ha="center", va="center", fontsize=7, color="w")
+      ax.set_xticks(range(v.shape[1]), [_fmt(c) for c in m.columns])
+      ax.set_yticks(range(v.shape[0]), [_fmt(r) for r in m.index])
+      ax.set(xlabel=x, ylabel=y, title=f"{col}" + (f" ({panel} {key})" if panel else ""))
+  return _save(fig, path, dpi)

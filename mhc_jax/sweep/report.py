@@ -19,7 +19,7 @@ from mhc_jax import logs, metrics, storage
 from mhc_jax.logs import flatten_dict, load_events, load_run, read_jsonl
 from mhc_jax.spikes import lr_sensitivity
 from mhc_jax.storage import Path
-from mhc_jax.sweep import stats
+from mhc_jax.sweep import lrmap, stats
 
 #: Fraction of the logged losses averaged into ``final_loss`` (at least one value).
 FINAL_FRACTION = 0.05
@@ -328,6 +328,15 @@ def lr_sensitivity_table(df: pd.DataFrame) -> pd.DataFrame:
     )
   out = pd.DataFrame(rows, columns=[*group_cols, *LR_COLUMNS])
   out.attrs = {"group_columns": group_cols}
+  return out
+
+
+def best_lr_rows(df: pd.DataFrame) -> pd.DataFrame:
+  """The runs at their arm's own best lr (``lrmap.RULE``) per group of the other axes, as ``best_lr``."""
+  d, ids = df[df["steps"] > 0], [c for c in _id_columns(df) if c != "lr"]
+  out = lrmap.at_best_lr(d, [c for c in ids if c not in ("run", "seed")], _endpoint(d)[0])
+  out = out.rename(columns={"lr": "best_lr"})
+  out.attrs = {**df.attrs, "id_columns": ids}
   return out
 
 
@@ -889,6 +898,7 @@ def write_report(
   table = summary_table(sweep_dir)
   tabs = {"summary": table, "lr_sensitivity": lr_sensitivity_table(table)}
   tabs |= {"groups": groups_table(table), "paired": paired_table(table)}
+  tabs |= {"paired_best_lr": paired_table(best_lr_rows(table))} if has_lr_axis(table) else {}
   paths: dict[str, str] = {}
   for name, frame in tabs.items():
     if name in ("summary", "groups") or len(frame):
@@ -901,6 +911,13 @@ def write_report(
   storage.write_text_atomic(out / "summary.md", _page(sweep_dir, tabs, figures, paths, missing))
   paths["summary_md"] = str(out / "summary.md")
   return paths
+
+
+def _best_lr_text(table) -> str:
+  return (
+    "With an lr axis, the sentence above compares the arms at each fixed lr. At each arm's own "
+    f"best lr ({lrmap.RULE}; paired_best_lr.csv): **{finding(best_lr_rows(table))}**\n"
+  )
 
 
 def _page(sweep_dir, tabs, figures, paths, missing) -> str:
@@ -916,6 +933,7 @@ def _page(sweep_dir, tabs, figures, paths, missing) -> str:
     + (", ".join(f"{c} ({k})" for k, c in axes.items()) or "none")
     + ".\n",
     f"**{finding(table)}**\n",
+    *([_best_lr_text(table)] if "paired_best_lr" in tabs else []),
     "## Runs\n",
     "Composite gains, side by side: " + " ".join(COMPOSITE_SENTENCES.values()) + "\n",
     md_table(table.drop(columns=[c for c in OPTIONAL_COLUMNS if table[c].isna().all()])),

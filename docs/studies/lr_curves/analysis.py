@@ -1,0 +1,66 @@
+"""The lr_curves study's tables and figures from its sweep directory or its committed runs.csv
+(configs/studies/lr_curves.yaml; the rules: docs/sweeps.md, "Stability maps").
+
+  python docs/studies/lr_curves/analysis.py SWEEP_DIR [--out docs/studies/lr_curves]
+  python docs/studies/lr_curves/analysis.py docs/studies/lr_curves/runs.csv   # recompute
+
+Writes into ``--out`` (default: beside runs.csv, or docs/studies/lr_curves):
+
+- ``runs.csv``: one row per run (``mhc_jax.sweep.lrmap.runs_table``): arm, mixer, qk_norm,
+  depth, width, lr, seed, status, loss_init, eval_loss, ..., diverged.
+- ``lr_sensitivity.csv``: per arm and depth (``lrmap.lr_table``): the best lr and the held-out
+  loss there with its 95% t interval over seeds, Wortsman's LR sensitivity with its interval,
+  the largest stable lr and the first unstable one.
+- ``paired_best_lr.csv``: each pair of arms at their own best lr, per depth, paired by seed
+  (``mhc_jax.sweep.stats.paired_stats`` on eval_loss).
+- ``lr_curves.png`` (held-out loss against lr, a panel per arm, a line per depth, bands over
+  seeds) and ``stable_lr.png`` (the largest stable lr and the best lr as arm x depth heatmaps).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from mhc_jax.sweep import lrmap, plots, report, stats
+
+HERE = Path(__file__).resolve().parent
+ARMS = ["residual", "residual_qk", "hc", "hc_qk", "mhc", "mhc_identity"]
+
+
+def tables(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+  """(lr_sensitivity, paired_best_lr) from runs.csv's rows."""
+  runs = runs.assign(_o=runs["arm"].map(lambda a: ARMS.index(a) if a in ARMS else len(ARMS)))
+  runs = runs.sort_values(["_o", "arm", "depth", "lr", "seed"], kind="stable").drop(columns="_o")
+  best = lrmap.at_best_lr(runs, lrmap.BY)
+  order = [a for a in ARMS if a in set(runs["arm"])]
+  paired = stats.paired_stats(best, "arm", ["depth", "width"], [lrmap.ENDPOINT], order=order)
+  return lrmap.lr_table(runs), paired
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  src = Path(args.source)
+  if src.suffix == ".csv":
+    runs, out = pd.read_csv(src), Path(args.out or src.parent)
+  else:
+    runs, out = lrmap.runs_table(report.summary_table(src)), Path(args.out or HERE)
+  out.mkdir(parents=True, exist_ok=True)
+  lr_tab, paired = tables(runs)
+  runs.to_csv(out / "runs.csv", index=False)
+  lr_tab.to_csv(out / "lr_sensitivity.csv", index=False)
+  paired.to_csv(out / "paired_best_lr.csv", index=False)
+  plots.lr_curves(runs, out / "lr_curves.png")
+  cols, logs = ["largest_stable_lr", "best_lr"], ["largest_stable_lr", "best_lr"]
+  plots.heatmaps(lr_tab, out / "stable_lr.png", x="depth", y="arm", values=cols, log=logs)
+  print(report.md_table(lr_tab.round(4)))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Stability maps (mhc_jax.sweep.lrmap): best lr, LR sensitivity, largest stable lr and the phase
+table against hand computations on planted frames; the report at each arm's best lr."""
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from fixtures_logs import make_sweep
+
+from mhc_jax.sweep import lrmap, plots, report
+from mhc_jax.sweep.report import best_lr_rows, summary_table, write_report
+
+nan = math.nan
+T2 = 4.302652729911275  # t(0.975, 2)
+
+
+def _frame(cells):
+  """cells: {(arm, lr): [eval_loss per seed]}; loss_init 5 (seed 2: 6), depth 4, width 32."""
+  rows = [
+    dict(arm=a, depth=4, width=32, lr=lr, seed=s, loss_init=6.0 if s == 2 else 5.0, eval_loss=y)
+    for (a, lr), ys in cells.items()
+    for s, y in enumerate(ys)
+  ]
+  return pd.DataFrame(rows)
+
+
+PLANTED = _frame(
+  {
+    ("a", 1e-3): [3.0, 3.2, 3.1],
+    ("a", 1e-2): [2.0, 2.4, 2.2],  # the best finite seed-mean
+    ("a", 1e-1): [1.9, nan, 1.8],  # lower where finite, but a seed diverged: not eligible
+    ("a", 3e-1): [4.0, 4.0, 4.0],  # stable again above the hole: not the largest stable lr
+    ("b", 1e-2): [nan, nan, nan],  # never finite: no best lr
+    ("c", 1e-2): [2.0, 2.0, 2.0],
+    ("c", 1e-1): [4.6, 2.5, 2.5],  # 4.6 >= 0.9 x 5: diverged although finite
+  }
+)
+
+
+def test_best_lr_and_its_interval_by_hand():
+  tab = lrmap.lr_table(PLANTED).set_index("arm")
+  a = tab.loc["a"]
+  assert a["best_lr"] == 1e-2 and a["n_seeds"] == 3 and a["n_lr"] == 4
+  half = T2 * 0.2 / math.sqrt(3)  # s.d. of (2.0, 2.4, 2.2) is 0.2
+  assert a["loss_at_best"] == pytest.approx(2.2)
+  assert (a["loss_at_best_ci_lo"], a["loss_at_best_ci_hi"]) == pytest.approx(
+    (2.2 - half, 2.2 + half)
+  )
+  assert math.isnan(tab.loc["b", "best_lr"]) and math.isnan(tab.loc["b", "largest_stable_lr"])
+
+
+def test_lr_sensitivity_per_seed_by_hand():
+  # per seed: mean over the 4 lrs of min(loss, init) minus the seed's best (NaN -> init)
+  s0 = ((3.0 - 1.9) + (2.0 - 1.9) + 0 + (4.0 - 1.9)) / 4
+  s1 = ((3.2 - 2.4) + 0 + (5.0 - 2.4) + (4.0 - 2.4)) / 4
+  s2 = ((3.1 - 1.8) + (2.2 - 1.8) + 0 + (4.0 - 1.8)) / 4  # initial loss 6
+  a = lrmap.lr_table(PLANTED).set_index("arm").loc["a"]
+  mean, half = np.mean([s0, s1, s2]), T2 * np.std([s0, s1, s2], ddof=1) / math.sqrt(3)
+  assert (s0, s1, s2) == pytest.approx((0.825, 1.25, 0.975))
+  assert a["lr_sensitivity"] == pytest.approx(mean)
+  assert a["lr_sensitivity_ci_lo"] == pytest.approx(mean - half)
+  assert a["lr_sensitivity_ci_hi"] == pytest.approx(mean + half)
+
+
+def test_largest_stable_lr_walks_up_from_the_best():
+  tab = lrmap.lr_table(PLANTED).set_index("arm")
+  assert tab.loc["a", "largest_stable_lr"] == 1e-2 and tab.loc["a", "first_unstable_lr"] == 1e-1
+  assert tab.loc["c", "largest_stable_lr"] == 1e-2 and tab.loc["c", "first_unstable_lr"] == 1e-1
+  stable = lrmap.lr_table(PLANTED[PLANTED["lr"] < 0.05]).set_index("arm")  # never diverged
+  assert stable.loc["a", "largest_stable_lr"] == 1e-2 and math.isnan(
+    stable.loc["a", "first_unstable_lr"]
+  )
+  assert list(lrmap.diverged(PLANTED[PLANTED["arm"] == "c"])) == [0, 0, 0, 1, 0, 0]
+
+
+def test_phase_table_fractions_and_gains_by_hand():
+  runs = pd.DataFrame(
+    dict(
+      arm="hc",
+      depth=[4, 4, 4, 8],
+      width=32,
+      seed=[0, 1, 2, 0],
+      loss_init=5.0,
+      eval_loss=[2.0, nan, 2.4, 2.2],
+      spike_count=[0, 0, 3, 0],
+      amax_fwd_composite_tok_mean_max=[1.0, 4.0, 16.0, 2.0],
+    )
+  )
+  tab = lrmap.phase_table(runs).set_index("depth")
+  d4 = tab.loc[4]
+  assert (d4["frac_diverged"], d4["frac_spiked"], d4["frac_unstable"]) == pytest.approx(
+    (1 / 3, 1 / 3, 2 / 3)
+  )
+  assert d4["amax_fwd_composite_tok_mean_max_gmean"] == pytest.approx(4.0)  # (1*4*16)^(1/3)
+  assert math.isnan(d4["eval_loss_mean"]) and tab.loc[8, "frac_unstable"] == 0
+
+
+def test_runs_table_names_arms_from_run_names():
+  summary = pd.DataFrame(
+    dict(
+      run=["arm=hc_qk,depth=4,seed=0", "mixer=mhc,seed=0"],
+      mixer=["hc", "mhc"],
+      lr=0.01,
+      seed=0,
+      loss_init=5.0,
+      eval_loss=[2.0, 4.9],
+    )
+  )
+  runs = lrmap.runs_table(summary)
+  assert list(runs["arm"]) == ["hc_qk", "mhc"] and list(runs["diverged"]) == [False, True]
+  assert list(runs.columns) == ["arm", *summary.columns, "diverged"]
+
+
+def test_map_figures_draw_and_skip(tmp_path):
+  runs = PLANTED.assign(diverged=lrmap.diverged(PLANTED))
+  assert plots.lr_curves(runs, tmp_path / "c.png").endswith("c.png")
+  tab = lrmap.lr_table(PLANTED)
+  out = plots.heatmaps(tab, tmp_path / "h.png", x="depth", y="arm", values=["largest_stable_lr"])
+  assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG" and out
+  assert plots.lr_curves(runs.iloc[:0], tmp_path / "none.png") is None
+  assert (
+    plots.heatmaps(tab.iloc[:0], tmp_path / "n.png", x="depth", y="arm", values=["best_lr"]) is None
+  )
+  assert not (tmp_path / "none.png").exists() and not (tmp_path / "n.png").exists()
+
+
+def test_report_compares_at_each_arms_best_lr(tmp_path, monkeypatch):
+  root = make_sweep(
+    tmp_path / "s",
+    mixers=("hc", "mhc"),
+    depths=(2,),
+    seeds=(0, 1),
+    steps=30,
+    spike=None,
+    diverge=None,
+    pending=False,
+  )
+  table = summary_table(root)
+  best = best_lr_rows(table)
+  assert "lr" not in best.attrs["id_columns"] and best["best_lr"].notna().all()
+  for (m, d), g in table.groupby(["mixer", "depth"]):  # the lowest seed-mean eval_loss
+    want = g.groupby("lr")["eval_loss"].mean().idxmin()
+    got = best[(best["mixer"] == m) & (best["depth"] == d)]
+    assert set(got["best_lr"]) == {want} and len(got) == 2
+  monkeypatch.setattr(report, "_figures", lambda *a: ([], []))  # the text, not the figures
+  paths = write_report(root)
+  page = open(paths["summary_md"]).read()
+  assert "compares the arms at each fixed lr" in page and "At each arm's own best lr" in page
+  assert "paired_best_lr_csv" in paths
+
+
+def test_phase_map_analysis_from_a_runs_csv(tmp_path):
+  import importlib.util
+
+  root = Path(__file__).resolve().parents[1] / "docs" / "studies" / "phase_map" / "analysis.py"
+  spec = importlib.util.spec_from_file_location("phase_map_analysis", root)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  rows = [
+    dict(arm=a, width=w, depth=d, seed=s, loss_init=5.0, spike_count=0, eval_loss=2.0 + 0.1 * s)
+    | {lrmap.GAIN: 1.0 + d * (a == "hc")}
+    for a in ("hc", "mhc")
+    for w in (16, 32)
+    for d in (4, 8)
+    for s in range(2)
+  ]
+  rows[-1]["eval_loss"] = nan  # mhc, width 32, depth 8, seed 1 diverged
+  pd.DataFrame(rows).to_csv(tmp_path / "runs.csv", index=False)
+  assert mod.main([str(tmp_path / "runs.csv")]) == 0
+  phase = pd.read_csv(tmp_path / "phase.csv")
+  assert len(phase) == 8 and phase["frac_unstable"].sum() == 0.5
+  assert (tmp_path / "phase_map.png").read_bytes()[:4] == b"\x89PNG"
