@@ -296,3 +296,47 @@ def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts)
     f"{np.round(per_layer, 3).tolist()}): the n-stream model is a single-stream residual"
   )
   return spread
+
+
+# --------------------------------------------------------------------------- all at once
+def _each(check, key: str, values):
+  return lambda mixer, **opts: [check(mixer, **{key: v}, **opts) for v in values]
+
+
+#: Every contract check: name -> (the check, what it means).
+CHECKS = {
+  "shapes": (
+    _each(check_shapes, "dtype", (jnp.float32, jnp.bfloat16)),
+    "the state keeps its tree, shapes and dtypes (float32, bfloat16); the stats hold the "
+    "contract's keys with their shapes",
+  ),
+  "transforms": (
+    _each(check_transforms, "variant", (jax.jit, lambda f: f)),
+    "jit and plain calls agree; vmap over states and grad work",
+  ),
+  "finite_grads": (
+    _each(check_finite_grads, "dtype", (jnp.float32, jnp.bfloat16)),
+    "the gradients of the parameters and the state are finite and not all zero",
+  ),
+  "invariants": (
+    check_invariants,
+    "a claimed doubly stochastic H_res is nonnegative with rows and columns summing to 1",
+  ),
+  "stream_separation": (check_stream_separation, "n > 1 streams stay apart under training"),
+}
+
+
+def check_mixer(mixer, **options) -> None:
+  """Every check of :data:`CHECKS` on ``mixer`` (a Mixer subclass, a registered name or a
+  ``"module:Class"`` path) with ``options``; one AssertionError lists each failed check, what
+  it means and how it failed (a user's test file: docs/mixers.md, "Your own mixer")."""
+  mixers.options(mixer)  # ValueError for what is not a mixer
+  failed = []
+  for name, (check, meaning) in CHECKS.items():
+    try:
+      check(mixer, **options)
+    except Exception as e:  # noqa: BLE001 - a check that raises has failed
+      failed.append(f"- {name}: {meaning}. {type(e).__name__}: {' '.join(str(e).split())[:300]}")
+  label = f"{getattr(mixer, '__name__', mixer)}: {len(failed)} of {len(CHECKS)} contract checks"
+  if failed:
+    raise AssertionError("\n".join([f"{label} failed", *failed]))
