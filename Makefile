@@ -25,8 +25,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow"
 
 lint: $(STAMP)  # the formatter check and the linter (configured in pyproject.toml)
-	$(VENV)/bin/ruff format --check mhc_jax tests benchmarks
-	$(VENV)/bin/ruff check mhc_jax tests benchmarks
+	$(VENV)/bin/ruff format --check mhc_jax tests benchmarks examples
+	$(VENV)/bin/ruff check mhc_jax tests benchmarks examples
 
 demo: $(STAMP)
 	$(VENV)/bin/mhc-jax sweep configs/sweeps/quickstart.yaml
