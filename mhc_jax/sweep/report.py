@@ -97,11 +97,9 @@ COMPOSITE_SENTENCES = {
   "product of its H_res across all layers (mean and worst over the sample), i.e. what one token's "
   "signal actually passes through, which token averaging can hide.",
 }
-# Where the config holds each role, and other last key parts that name it in a sweep axis.
+# Where the config holds each role (a sweep axis whose last key part is the role names it too).
 _CONFIG_KEYS = {"mixer": "model.mixer", "depth": "model.depth", "width": "model.width"}
 _CONFIG_KEYS |= {"lr": "optim.lr", "seed": "train.seed"}
-_ALIASES = {"depth": ("n_layers", "num_layers"), "width": ("d_model",)}
-_ALIASES |= {"lr": ("learning_rate", "peak_lr")}
 _MIXER_ORDER = ("residual", "hc", "mhc", "mhc_lite")
 
 
@@ -225,8 +223,7 @@ def _axis_columns(keys: list[str]) -> dict[str, str]:
   the full key where that would collide with another axis or a table column)."""
   cols: dict[str, str] = {}
   for role, key in _CONFIG_KEYS.items():  # roles first, preferring the standard config key
-    names = (role, *_ALIASES.get(role, ()))
-    cands = [k for k in keys if k.rsplit(".", 1)[-1] in names]
+    cands = [k for k in keys if k.rsplit(".", 1)[-1] == role]
     if cands:
       cols[key if key in cands else cands[0]] = role
   used = {"run", *COLUMNS, *cols.values()}
