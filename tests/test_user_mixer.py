@@ -207,10 +207,10 @@ def test_check_mixer_passes_a_good_mixer(usermix, registered):
 @pytest.mark.parametrize(
   "cls,broken",
   [
-    ("WrongShape", ["shapes"]),
-    ("NanGrad", ["finite_grads"]),
-    ("FakeStochastic", ["invariants"]),
-    ("AllThree", ["shapes", "finite_grads", "invariants"]),
+    ("WrongShape", ["check_shapes"]),
+    ("NanGrad", ["check_finite_grads"]),
+    ("FakeStochastic", ["check_invariants"]),
+    ("AllThree", ["check_shapes", "check_finite_grads", "check_invariants"]),
   ],
 )
 def test_check_mixer_names_every_broken_check(usermix, cls, broken):
@@ -219,11 +219,17 @@ def test_check_mixer_names_every_broken_check(usermix, cls, broken):
   with pytest.raises(AssertionError) as e:
     testing.check_mixer(getattr(um, cls))
   msg = str(e.value)
-  failed = [name for name in testing.CHECKS if f"\n- {name}: " in msg]
+  failed = [c.__name__ for c in testing.CHECKS if f"\n- {c.__name__}: " in msg]
   assert failed == broken, msg
   assert msg.startswith(f"{cls}: {len(broken)} of {len(testing.CHECKS)} contract checks failed")
+  assert len(msg.splitlines()) == 1 + len(broken)  # one line per failed check
+  meanings = {  # each check's docstring says what it means
+    "check_shapes": "State tree, shapes and dtypes preserved",
+    "check_finite_grads": "The gradients of the parameters and of the state are finite",
+    "check_invariants": "Doubly stochastic H_res (per token and averaged)",
+  }
   for name in broken:
-    assert testing.CHECKS[name][1] in msg  # what the check means
+    assert f"- {name}: {meanings[name]}" in msg
 
 
 def test_check_mixer_rejects_what_is_not_a_mixer(usermix):
