@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= dev,notebooks,tfds,tb,cluster
 
-.PHONY: setup test test-fast lint demo bench clean
+.PHONY: setup test test-fast lint demo notebooks bench clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ lint: $(STAMP)  # the formatter check and the linter (configured in pyproject.to
 
 demo: $(STAMP)
 	$(VENV)/bin/mhc-jax sweep configs/sweeps/quickstart.yaml
+
+notebooks: $(STAMP)  # train notebooks/sweep.yaml, execute notebooks 01-03 in place (outputs saved)
+	$(PY) notebooks/execute.py
 
 bench: $(STAMP)  # measurements, not tests: each prints medians after warm-up
 	$(PY) benchmarks/step_bench.py --mode compile --width 64 --seq-len 64
