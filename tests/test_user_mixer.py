@@ -92,7 +92,6 @@ def usermix(tmp_path, monkeypatch):
   pkg.mkdir()
   (pkg / "usermix.py").write_text(textwrap.dedent(USERMIX))
   monkeypatch.syspath_prepend(str(pkg))
-  monkeypatch.setenv("PYTHONPATH", f"{pkg}:{':'.join(sys.path)}")
   yield pkg / "usermix.py"
   sys.modules.pop("usermix", None)
 
