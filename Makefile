@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS ?= dev,notebooks,tfds,tb,cluster
 
-.PHONY: setup test test-fast lint demo bench clean
+.PHONY: setup test test-fast lint demo notebooks bench clean
 
 setup: $(STAMP)
 
@@ -25,11 +25,14 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 -m "not slow"
 
 lint: $(STAMP)  # the formatter check and the linter (configured in pyproject.toml)
-	$(VENV)/bin/ruff format --check mhc_jax tests benchmarks
-	$(VENV)/bin/ruff check mhc_jax tests benchmarks
+	$(VENV)/bin/ruff format --check mhc_jax tests benchmarks examples
+	$(VENV)/bin/ruff check mhc_jax tests benchmarks examples
 
 demo: $(STAMP)
 	$(VENV)/bin/mhc-jax sweep configs/sweeps/quickstart.yaml
+
+notebooks: $(STAMP)  # train notebooks/sweep.yaml, execute notebooks 01-03 in place (outputs saved)
+	$(PY) notebooks/execute.py
 
 bench: $(STAMP)  # measurements, not tests: each prints medians after warm-up
 	$(PY) benchmarks/step_bench.py --mode compile --width 64 --seq-len 64

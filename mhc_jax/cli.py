@@ -49,7 +49,10 @@ def _load(args):
   if args.config is not None:
     return C.load_config(args.config, args.set)
   if args.resume:
-    return C.load_config(storage.path(args.out) / "config.yaml", args.set)
+    try:
+      return C.load_config(storage.path(args.out) / "config.yaml", args.set)
+    except C.ConfigError as e:  # the mixer's class, say, cannot be imported any more
+      raise C.ConfigError(f"{e}{rundir.mixer_note(args.out)}") from None
   raise UsageError("--config is required (e.g. --config configs/quickstart.yaml)")
 
 

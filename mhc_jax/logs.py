@@ -267,8 +267,7 @@ def sweep_runs(sweep_dir) -> dict[str, dict[str, Any]]:
   table for a bare run directory (``dir`` ``.``); FileNotFoundError for anything else."""
   sweep_dir = storage.path(sweep_dir)
   if (sweep_dir / "manifest.json").exists():
-    runs = read_json(sweep_dir / "manifest.json").get("runs", {})
-    return {r["name"]: r for r in runs} if isinstance(runs, list) else dict(runs)
+    return dict(read_json(sweep_dir / "manifest.json").get("runs", {}))
   if (sweep_dir / "metrics.jsonl").exists() or (sweep_dir / "config.yaml").exists():
     status = read_json(sweep_dir / "summary.json").get("status") or "running"
     return {dir_name(sweep_dir): {"status": status, "overrides": {}, "dir": "."}}

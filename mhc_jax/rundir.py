@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import socket
+import sys
 import time
 
 from mhc_jax import storage
@@ -65,6 +66,25 @@ def read_summary(run_dir) -> dict:
 
 def write_summary(run_dir, summary: dict) -> None:
   storage.write_json_atomic(storage.path(run_dir) / "summary.json", summary)
+
+
+def record_mixer(run_dir, mixer: str) -> None:
+  """``mixer_source.json``: where a mixer from outside the package came from (nothing for the
+  zoo's): the file of its module and its package's ``__version__``."""
+  from mhc_jax import mixers
+
+  mod = sys.modules[mixers._cls(mixer).__module__]
+  if not mod.__name__.startswith("mhc_jax."):
+    version = getattr(sys.modules[mod.__name__.split(".")[0]], "__version__", None)
+    out = {"mixer": mixer, "file": getattr(mod, "__file__", None), "version": version}
+    storage.write_json_atomic(storage.path(run_dir) / "mixer_source.json", out)
+
+
+def mixer_note(run_dir) -> str:
+  """What ``mixer_source.json`` says, for an error about the run's mixer ("" without one)."""
+  s = storage.read_json(storage.path(run_dir) / "mixer_source.json", {})
+  version = f" ({s['version']})" if s.get("version") else ""
+  return f"; this run was trained with {s['mixer']} from {s['file']}{version}" if s else ""
 
 
 # ------------------------------------------------------------------------------------------

@@ -124,6 +124,7 @@ def _sumsq(tree):
 
 
 def check_finite_grads(name: str, dtype=jnp.float32, **opts) -> None:
+  """The gradients of the parameters and of the state are finite; the state's is not all zero."""
   _, params, x, _, apply = setup(name, dtype=dtype, **opts)
 
   def loss(p, x):
@@ -296,3 +297,34 @@ def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts)
     f"{np.round(per_layer, 3).tolist()}): the n-stream model is a single-stream residual"
   )
   return spread
+
+
+# --------------------------------------------------------------------------- all at once
+#: Every contract check, with the settings :func:`check_mixer` runs it under; its docstring's
+#: first paragraph says what it means.
+CHECKS = {
+  check_shapes: [{"dtype": jnp.float32}, {"dtype": jnp.bfloat16}],
+  check_transforms: [{"variant": jax.jit}, {"variant": lambda f: f}],
+  check_finite_grads: [{"dtype": jnp.float32}, {"dtype": jnp.bfloat16}],
+  check_invariants: [{}],
+  check_stream_separation: [{}],
+}
+
+
+def check_mixer(mixer, **options) -> None:
+  """Every check of :data:`CHECKS` on ``mixer`` (a Mixer subclass, a registered name or a
+  ``"module:Class"`` path) with ``options``; one AssertionError lists each failed check, what
+  it means and how it failed (a user's test file: docs/mixers.md, "Your own mixer")."""
+  mixers.options(mixer)  # ValueError for what is not a mixer
+  failed = []
+  for check, settings in CHECKS.items():
+    try:
+      for s in settings:
+        check(mixer, **s, **options)
+    except Exception as e:  # noqa: BLE001 - a check that raises has failed
+      meaning = " ".join(check.__doc__.split("\n\n")[0].split())
+      how = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+      failed.append(f"- {check.__name__}: {meaning} Failed: {how}")
+  if failed:
+    label = f"{getattr(mixer, '__name__', mixer)}: {len(failed)} of {len(CHECKS)} contract checks"
+    raise AssertionError("\n".join([f"{label} failed", *failed]))

@@ -11,13 +11,15 @@ import pytest
 import yaml
 from fixtures_logs import make_sweep, raw_records, write_run
 
+from mhc_jax import cli
+from mhc_jax.errors import UsageError
 from mhc_jax.sweep import plots
 from mhc_jax.sweep.report import (
   COLUMN_DOCS,
   COMPOSITE_SENTENCES,
   GROUP_METRICS,
-  LATER_COLUMNS,
   LOG_SCALE,
+  READS_OLD_LOGS,
   _axis_columns,
   _paired_display,
   finding,
@@ -512,25 +514,16 @@ def test_per_token_and_averaged_composite_side_by_side(seeded):
   assert "per-token" in Path(paths["summary_md"]).read_text()
 
 
-def test_old_logs_show_the_new_metrics_as_missing(tmp_path):
+def test_old_logs_are_one_error_naming_the_version_that_reads_them(tmp_path, capsys):
+  """Logs written before the per-token composite, amin and suffix metrics are not read (the
+  compatibility code is gone): one error naming the mhc_jax that reads them, nothing written."""
   root = _small_sweep(tmp_path, ("hc", "mhc"), gain_metrics="old")
-  paths = write_report(root)
-  df = summary_table(root)
-  for c in LATER_COLUMNS:
-    assert df[c].isna().all(), c
-  assert all(set(v) == set(LATER_COLUMNS) for v in df.attrs["not_logged"].values())
-  assert all(
-    "not logged: per-token composite, amin composite, suffix products" in n for n in df["note"]
-  )
-  assert np.isfinite(df["amax_fwd_composite_max"]).all()  # the old columns are still there
-  md = Path(paths["summary_md"]).read_text()
-  hc_line = next(ln for ln in md.splitlines() if ln.startswith("| hc_L2"))
-  assert hc_line.split(" | ").count("n/a") == len(LATER_COLUMNS) and "NaN" not in hc_line
-  rows = [ln for ln in md.splitlines() if ln.startswith(("| hc_L2", "| mhc_L2"))]
-  assert sum(ln.split(" | ").count("n/a") for ln in rows) == len(LATER_COLUMNS) * 2
-  assert "written before these metrics existed" in md
-  groups = pd.read_csv(paths["groups_csv"])
-  assert groups["amax_fwd_composite_tok_mean_max_gmean"].isna().all()
+  with pytest.raises(UsageError, match="predate the per-token composite.*commit 3829cbd"):
+    summary_table(root)
+  assert cli.main(["report", str(root)]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and err[0].startswith("error: ") and READS_OLD_LOGS in err[0]
+  assert not (root / "report").exists()
 
 
 def test_growth_exponent_label_counts_mixer_layers():

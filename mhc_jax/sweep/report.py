@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from mhc_jax import logs, metrics, storage
+from mhc_jax.errors import UsageError
 from mhc_jax.logs import flatten_dict, load_events, load_run, read_jsonl
 from mhc_jax.spikes import lr_sensitivity
 from mhc_jax.storage import Path
@@ -31,17 +32,10 @@ _EVAL_FIELDS = {
   "probe_qk_slope": ("probes", "qk_alignment", "slope"),
   "probe_pc1_entropy": ("probes", "pca_entropy", "corr_pc1_entropy"),
 }
-#: Metrics added after the first logs were written (what a run's note calls them -> a part of
-#: their names): where a run's logs lack one, its columns read n/a and the note says so.
-_LATER = {"per-token composite": "_tok_", "amin composite": "amin_", "suffix products": "_suffix"}
-_LATER["stream spread"] = "stream_spread"
-#: The columns of those metrics -> (metric, reduction).
-LATER_COLUMNS = {
-  c: (m.name, how)
-  for m in metrics.METRICS
-  for c, how in m.summary.items()
-  if any(part in m.name for part in _LATER.values())
-}
+#: Logs with the composite gains but without these (written before them) are not read here.
+CURRENT = ("amax_fwd_composite_tok_mean", "amin_fwd_composite", "amax_fwd_suffix")
+#: The mhc_jax that reads such logs (the summary then shows their cells as n/a).
+READS_OLD_LOGS = "mhc_jax 0.1.0 at commit 3829cbd (git checkout 3829cbd)"
 #: The definitions of the columns not read from metrics.jsonl through the registry.
 _OTHER_DOCS = {
   "status": "the manifest's status (done | failed | running | pending); summary.json's where the "
@@ -73,8 +67,7 @@ out_logit_max logz_absmax""".split()
 
 def _doc(m: metrics.Metric, col: str, how: str) -> str:
   depth = " (whole depth)" if m.shape == "layer" and how in ("max", "min") else ""
-  later = "; n/a where the logs lack it (older runs)" if col in LATER_COLUMNS else ""
-  return f"`{m.name}`{depth}, {metrics.REDUCTIONS[how]}: {m.meaning}{later}"
+  return f"`{m.name}`{depth}, {metrics.REDUCTIONS[how]}: {m.meaning}"
 
 
 _DOCS = {c: _doc(m, c, how) for m in metrics.METRICS for c, how in m.summary.items()}
@@ -104,11 +97,9 @@ COMPOSITE_SENTENCES = {
   "product of its H_res across all layers (mean and worst over the sample), i.e. what one token's "
   "signal actually passes through, which token averaging can hide.",
 }
-# Where the config holds each role, and other last key parts that name it in a sweep axis.
+# Where the config holds each role (a sweep axis whose last key part is the role names it too).
 _CONFIG_KEYS = {"mixer": "model.mixer", "depth": "model.depth", "width": "model.width"}
 _CONFIG_KEYS |= {"lr": "optim.lr", "seed": "train.seed"}
-_ALIASES = {"depth": ("n_layers", "num_layers"), "width": ("d_model",)}
-_ALIASES |= {"lr": ("learning_rate", "peak_lr")}
 _MIXER_ORDER = ("residual", "hc", "mhc", "mhc_lite")
 
 
@@ -172,7 +163,7 @@ def summarize_run(run_dir: str | os.PathLike) -> dict[str, Any]:
 
 
 def _summarize(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
-  """(:func:`summarize_run`'s dict, the :data:`LATER_COLUMNS` the logs do not have)."""
+  """(:func:`summarize_run`'s dict, the columns of metrics its mixer has not: n/a)."""
   records = _merged(run_dir / "metrics.jsonl")
   events = load_events(run_dir)
   kinds = events["kind"].astype(str)
@@ -187,7 +178,7 @@ def _summarize(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
   nf = _scalars(records, "nonfinite")[1]
   bad = np.flatnonzero(~np.isfinite(losses))
   out["nonfinite"] = int(nf[-1]) if len(nf) and np.isfinite(nf[-1]) else bad.size
-  missing = [c for c, (name, _) in LATER_COLUMNS.items() if not _layer_lists(records, name)]
+  missing = []
   notes = [] if len(losses) else ["no loss logged" if records else "no metrics logged yet"]
   if bad.size:
     notes.append(f"loss non-finite from step {int(loss_steps[bad[0]])} ({bad.size} logged steps)")
@@ -197,12 +188,16 @@ def _summarize(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
   if records and not _layer_lists(records, "amax_fwd_composite"):
     if _layer_lists(records, "gain_fwd"):  # diagnostics, but a mixer without H_res
       notes.append("no H_res: composite gains n/a")
-      missing = sorted({*missing, *(c for c in COLUMNS if c.startswith(("amax_", "amin_")))})
+      missing = [c for c in COLUMNS if c.startswith(("amax_", "amin_", "stream_spread"))]
     else:
       notes.append("no per-layer diagnostics")
-  elif records and missing:
-    said = [k for k, part in _LATER.items() if any(part in c for c in missing)]
-    notes.append("not logged: " + ", ".join(said))
+  elif records and not all(_layer_lists(records, name) for name in CURRENT):
+    raise UsageError(
+      f"{run_dir}: its logs predate the per-token composite, amin and suffix metrics"
+      f" ({', '.join(CURRENT)}); this mhc_jax does not read them: {READS_OLD_LOGS} does"
+    )
+  elif records and not _layer_lists(records, "stream_spread"):
+    notes.append("not logged: stream spread")
   if status not in (None, "done"):
     notes.append(f"summary.json: {status}")
   out["note"] = "; ".join(notes)
@@ -228,8 +223,7 @@ def _axis_columns(keys: list[str]) -> dict[str, str]:
   the full key where that would collide with another axis or a table column)."""
   cols: dict[str, str] = {}
   for role, key in _CONFIG_KEYS.items():  # roles first, preferring the standard config key
-    names = (role, *_ALIASES.get(role, ()))
-    cands = [k for k in keys if k.rsplit(".", 1)[-1] in names]
+    cands = [k for k in keys if k.rsplit(".", 1)[-1] == role]
     if cands:
       cols[key if key in cands else cands[0]] = role
   used = {"run", *COLUMNS, *cols.values()}
@@ -859,7 +853,7 @@ def _figures(table, lr_tab, out, paths, max_heatmaps, dpi) -> tuple[list, list[s
 
 
 def _data_notes(table: pd.DataFrame) -> list[str]:
-  """What summary.md says about runs without metrics, non-finite losses and old logs."""
+  """What summary.md says about runs without metrics and non-finite losses."""
   notes = [
     f"Run {r['run']} ({r['status']}) has no metrics yet: listed in the table, not plotted."
     for _, r in table[table["steps"] == 0].iterrows()
@@ -868,17 +862,6 @@ def _data_notes(table: pd.DataFrame) -> list[str]:
     notes.append(
       f"Run {r['run']}: final_loss is {_fmt(r['final_loss'])} ({r['note']}); curves stop at the "
       "last finite point."
-    )
-  no_hres = set(table.loc[table["note"].astype(str).str.contains("no H_res"), "run"])
-  with_metrics = set(table.loc[table["steps"] > 0, "run"])
-  nl = table.attrs.get("not_logged", {})
-  lacking = [n for n, cols in nl.items() if n in with_metrics and cols and n not in no_hres]
-  if lacking:
-    names = sorted({LATER_COLUMNS[c][0] for n in lacking for c in nl[n]})
-    notes.append(
-      f"{len(lacking)} of {len(with_metrics)} runs with metrics have logs without "
-      f"{', '.join(names)} (written before these metrics existed, or for stream_spread a mixer "
-      "whose state is not streams): those cells read n/a, and their group means are NaN."
     )
   return notes
 
@@ -894,8 +877,8 @@ def write_report(
   docs/sweeps.md); ``{name: path}`` of every file written."""
   sweep_dir = storage.path(sweep_dir)
   out = storage.path(out_dir) if out_dir is not None else sweep_dir / "report"
-  out.mkdir(parents=True, exist_ok=True)
   table = summary_table(sweep_dir)
+  out.mkdir(parents=True, exist_ok=True)
   tabs = {"summary": table, "lr_sensitivity": lr_sensitivity_table(table)}
   tabs |= {"groups": groups_table(table), "paired": paired_table(table)}
   tabs |= {"paired_best_lr": paired_table(best_lr_rows(table))} if has_lr_axis(table) else {}

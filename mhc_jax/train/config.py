@@ -150,7 +150,7 @@ def _section(name: str):
 
 def _check_mixer_options(mixer: str, opts: dict) -> dict:
   """`opts` checked against `mixer`'s typed options; the keys set, their values typed."""
-  prefix, model = "model.mixer_options", OPTIONS[mixer]
+  prefix, model = "model.mixer_options", _options(mixer)
   for k in opts:
     if k not in model.model_fields:
       every = all_option_names()
@@ -164,6 +164,18 @@ def _check_mixer_options(mixer: str, opts: dict) -> dict:
   except pydantic.ValidationError as e:
     raise _error(e, prefix, model) from None
   return {k: getattr(typed, k) for k in opts}
+
+
+def _options(mixer: str):
+  """The typed options of a mixer name (None: unknown) or a "module:Class" path (imported)."""
+  if ":" not in mixer:
+    return OPTIONS.get(mixer)
+  from mhc_jax import mixers
+
+  try:
+    return mixers.options_model(mixers.load(mixer))
+  except ValueError as e:
+    raise ConfigError(f"model.mixer: {e}") from None
 
 
 @_section("model")
@@ -192,10 +204,13 @@ class ModelConfig:
   @field_validator("mixer")
   @classmethod
   def _known_mixer(cls, mixer: str) -> str:
-    if mixer not in OPTIONS:
+    if _options(mixer) is None:
       close = difflib.get_close_matches(mixer, OPTIONS, n=1)
       hint = f" (did you mean {close[0]}?)" if close else ""
-      raise ConfigError(f"model.mixer: unknown mixer {mixer!r}{hint}; known: {', '.join(OPTIONS)}")
+      raise ConfigError(
+        f"model.mixer: unknown mixer {mixer!r}{hint}; known: {', '.join(OPTIONS)}, or an"
+        f" importable 'module:Class'"
+      )
     return mixer
 
   @field_validator("mixer_options")

@@ -55,6 +55,7 @@ class Recorder:
     # without `dist`: coordinator and process id are the launch's (MHC_* variables, flags),
     # and a saved process id would make every process of a resumed run process 0
     save_config(dataclasses.replace(self.cfg, dist=DistConfig()), self.dir / "config.yaml")
+    rundir.record_mixer(self.dir, self.cfg.model.mixer)
     for name in ("metrics.jsonl", "events.jsonl"):
       logs.truncate_after(self.dir / name, start - 1)
     path = self.dir / "metrics.jsonl"
