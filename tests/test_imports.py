@@ -161,3 +161,17 @@ def test_training_processes_import_no_report_libraries():
   )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_a_plain_install_has_what_the_default_sweep_runs_on():
+  """`pip install -e .` (no extras) then `mhc-jax sweep FILE`: the default executor is
+  submitit's LocalExecutor, so submitit is a core dependency, not the `cluster` extra (a fresh
+  user environment hit ModuleNotFoundError)."""
+  import tomllib
+
+  project = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["project"]
+  core = {
+    d.split(">")[0].split("<")[0].split("=")[0].split("[")[0].strip()
+    for d in project["dependencies"]
+  }
+  assert "submitit" in core
