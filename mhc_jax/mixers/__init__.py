@@ -47,9 +47,6 @@ _REGISTRY: dict[str, type[Mixer]] = {
   "denseformer": DenseFormer,
   "attnres": AttnRes,
 }
-# Options that only shape the model around the mixer (handled by the model, not the mixer).
-# ``collapse`` moved into the mixer (it owns its collapse); nothing is left here.
-MODEL_OPTIONS: tuple[str, ...] = ()
 
 
 def names() -> list[str]:
@@ -113,11 +110,9 @@ def get(name: str, *, module_name: str | None = None, layers: int = 0, **opts) -
   """A mixer module (named ``module_name`` when built inside a parent's compact method).
 
   ``layers`` is the model's number of mixer layers (2L), for mixers whose state depends on depth.
-  Options the model handles (``MODEL_OPTIONS``) are ignored here; unknown options raise
-  ``ValueError`` naming them.
+  Unknown options raise ``ValueError`` naming them.
   """
   cls = _cls(name)
-  opts = {k: v for k, v in opts.items() if k not in MODEL_OPTIONS}
   bad = sorted(set(opts) - set(options(name)))
   if bad:
     raise ValueError(f"mixer {name!r}: unknown option(s) {bad}; accepted: {options(name)}")

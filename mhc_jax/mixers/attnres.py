@@ -15,33 +15,7 @@ paper: critical for stability) makes every ``h_l`` the uniform mean of its sourc
 pre-norm equals that of the plain residual sum: at step 0 the model is a pre-norm residual
 Transformer (up to the norm's eps).
 
-Options (open choices):
-
-- ``block_size`` (default 1 = Full AttnRes): Block AttnRes, sublayer outputs summed within
-  blocks of ``block_size`` mixer layers; layers attend over the embedding, the completed blocks
-  and the current partial block (memory O(N) instead of O(L) entries, N = 2L / block_size).
-- ``key_scale`` (default True): the keys' RMSNorm has a learned per-channel scale ``γ``
-  (the paper's "one RMSNorm per layer"); False: parameter-free RMSNorm.
-
-Query placement. Layer ``l``'s call runs the sublayer on ``h_l``, writes ``v_{l+1}`` and then
-computes the *next* layer's input ``h_{l+1}`` with its own query. So the parameters of mixer
-layer ``l`` are the paper's ``w_{l+1}`` (and the last layer's are the final query); the paper's
-``w_1`` attends over ``v_0`` alone, is always 1 and is not allocated. Every layer then carries the
-hidden its sublayer reads, stats ``rms_in``/``rms_out`` are ``RMS(h_l)``/``RMS(h_{l+1})``, and the
-collapse has no parameters.
-
-Parameters: ``b_query [C]`` and ``b_key_scale [C]`` per mixer layer (static, ``b_*``: no weight
-decay; the reproductions do not decay 1-D parameters either).
-
-State: ``{"hist": [H, B, T, C], "x": [B, T, C]}``, ``H = ceil(2L / block_size) + 1`` entries
-preallocated (zeros) and written at the traced index with
-``jax.lax.dynamic_update_index_in_dim``; the softmax is masked to the entries written so far.
-``x`` is the current hidden ``h_l`` (``stream`` returns it). Memory: ``nn.scan`` carries the
-history and the backward pass keeps each iteration's carry, so activation memory grows like
-O(L²·B·T·C) (O(L·N·B·T·C) for Block AttnRes); block remat does not remove it. The depth
-attention is ``jax.checkpoint``-ed (recomputed in the backward pass rather than keeping its
-float32 intermediates, ~40% less memory at depth 32). Compile time stays flat in depth
-(docs/mixers.md has both measurements).
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``attnres``).
 """
 
 from __future__ import annotations

@@ -12,16 +12,7 @@ sublayers per block) ``α = (2N)^{1/4}`` and ``β = (8N)^{-1/4}``. The model cal
 ``L`` and has ``2L`` mixer layers (``self.layers``), so here ``α = (2L)^{1/4} = layers^{1/4}``
 and ``β = (8L)^{-1/4} = (4·layers)^{-1/4}``.
 
-``β`` scales initialisations through ``sublayer_out_scale``: DeepNet multiplies the init of the
-value projection, the attention output projection and both FFN matrices by ``β``; this model's
-hook reaches only the output projections of attention (``attn/out``) and MLP (``mlp/down``), so
-the value projection and ``mlp/up`` keep their standard init (a documented departure). With
-``model.init="depth_scaled"`` the model's own ``1/sqrt(2L)`` multiplies in as well; use
-``init="standard"`` for DeepNet's scheme.
-
-Options: ``alpha`` and ``beta`` (None: DeepNet's values above; numbers override), ``eps`` (1e-6).
-``post_ln`` is the same mixer with ``alpha = beta = 1``: the original Post-LN Transformer
-``x' = N(x + G(x))`` with the standard init.
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``deepnorm``).
 """
 
 from typing import Optional

@@ -9,32 +9,7 @@ with dilation ``k`` and period ``p`` (a "k×p-DenseFormer"; the paper's default 
 weights are initialised to ``α_ii = 1``, all others 0, so the model starts as a plain pre-norm
 residual Transformer. The final norm and head read ``Y_L``.
 
-In this testbed attention and MLP are separate mixer calls (2L mixer layers), so where DWA
-happens is a choice the paper does not face:
-
-- ``every="block"`` (default, the paper's): the history holds ``X_0`` and the L block outputs;
-  the attention call is a plain residual and the MLP call ends the block (residual, then write
-  ``X_i``, then DWA). Under ``nn.scan`` the layer index is traced, so both calls own an ``α``
-  row; the attention call's row is allocated but never read (it gets zero gradient).
-- ``every="layer"``: every mixer layer's output is written and averaged (2L DWA steps).
-
-``dilation`` (``k``) and ``period`` (``p``) count DWA steps (blocks, or mixer layers for
-``every="layer"``), as in the reference code: the output is always written to the history, the
-average is taken only when ``p`` divides the step.
-
-State: ``{"hist": [H, B, T, C], "x": [B, T, C]}`` with ``H = L + 1`` (``2L + 1`` for
-``every="layer"``) entries preallocated (zeros) and written at the traced step index with
-``jax.lax.dynamic_update_index_in_dim``; ``x`` is the current hidden (``stream`` returns it).
-Each mixer layer owns one row ``b_dwa [H]``; entries ``j > i`` (and off-dilation ones) are
-masked, so ``H`` parameters per mixer layer (``layer_params``), against the paper's ``i + 1``.
-They are named ``b_*``: no weight decay (the reference code decays them like any linear layer,
-pulling ``α_ii`` towards 0; we do not).
-
-Memory: ``nn.scan`` carries the history, and the backward pass keeps each iteration's carry,
-so activation memory grows like O(L²·B·T·C) (the reference's in-place trick, reading the
-prefix of the final buffer, has no counterpart in a functional scan). Block remat does not
-remove this (the carried history is the rematerialised block's input). Compile time stays flat
-in depth (docs/mixers.md has the measurement).
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``denseformer``).
 """
 
 from __future__ import annotations

@@ -13,31 +13,7 @@ and the layer is HC's rule applied to fractions, ``H' = Bᵀ ∘ F(Γᵀ H) + A�
     u_i  = Σ_j Γ_{j,i} h_j                      (sublayer input, fraction i; input = concat u)
     h'_i = Σ_j A_{j,i} h_j + B_i · F(concat u)_i   (F's output split into the same m fractions)
 
-Dynamic Frac-Connections (DFC) add HC's input-dependent terms, per fraction, from the
-parameter-free RMS norm of each fraction ``h̄_j = norm(h_j)`` (``w`` vectors of size C/m):
-``B(H) = s_β tanh(H̄ w_B)ᵀ + B``, ``Γ(H) = s_α tanh(H̄ W_Γ) + Γ``, ``A(H) = s_α tanh(H̄ W_A) + A``
-(``W_Γ, W_A ∈ R^{C/m × m}``); static FC (SFC, ``dynamic=False``) learns ``B, Γ, A`` only.
-Parameters per layer: ``m + 2m²`` static, plus ``(C/m)(2m + 1) + 2`` dynamic. (The paper's
-Table 1, 0.000165B for the 32 DFC×4 layers of OLMo-1B2 at C = 2048, is this count plus a
-512-gain LayerNorm per layer: 32 · (4646 + 512). The norm here is parameter-free, like ``hc``.)
-
-Initialisation: ``Γ = I``, ``A = I``, ``B = 1``, ``W = 0``, ``s_α = s_β = alpha_init`` (HC's
-0.01): at step 0 the sublayer input is ``h`` itself and ``h' = h + F(h)``, exactly a pre-norm
-residual, HC's principle. HC's one-hot read ``A_m = e_{layer mod n}`` has no analogue: its job is
-to tell identical copies apart, and fractions of the embedding differ from the start (the
-contract's stream-separation check passes from step 0). Where this reading leaves a choice:
-
-- ``n`` (4): the number of fractions, the paper's ``m`` (DFC×4 is its main setting). It is
-  called ``n`` because the contract reads a mixer's stream count from ``n``
-  (``h_res [n, n]``, ``streams(cfg)``, the stream-separation check); the width must divide by it.
-- ``dynamic`` (True): DFC, the paper's main variant; False gives SFC.
-- ``alpha_init`` (0.01): initial ``s_α``, ``s_β``.
-- ``collapse``: only ``"concat"`` (the inverse of ``expand``).
-
-Stats: ``h_res = Aᵀ`` (``x'_i = Σ_j h_res[i, j] x_j + ...``, the fraction-mixing matrix whose
-products are the composite gain), ``h_post = B``, ``h_pre[j] = Σ_i Γ_{j,i}`` (the total weight
-with which fraction j enters the sublayer input; ones at init). ``A`` is not constrained, so
-``doubly_stochastic`` is False.
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``frac``).
 """
 
 import flax.linen as nn

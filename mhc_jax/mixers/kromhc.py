@@ -16,22 +16,7 @@ truncation error (``sinkhorn_err = 0``). For ``n = 2^K`` with 2x2 factors each `
 ``n!``. Stream index ``s = (s_1, ..., s_K)`` in row-major order (``s_1`` slowest), i.e. the state's
 ``n`` axis read as a tensor ``i_1 × ⋯ × i_K`` that each ``U_k`` mixes along its own mode.
 
-Options (everything not listed is ``mhc``'s, with its defaults):
-
-- ``factors`` (``""``): the factor sizes as ``"2x2"``, ``"2x3"``, ``"4"`` (one factor = mHC-lite);
-  their product must be ``n``. ``""`` factors ``n`` into 2s and a remainder (the authors' code,
-  which supports powers of two only): ``n = 4 -> 2x2``, ``8 -> 2x2x2``, ``6 -> 2x3``. A factor
-  larger than 6 (720 permutations) is refused.
-- ``h_res_init``: ``"identity"`` (default) puts weight ``0.95^(1/K)`` on each factor's identity
-  permutation, so the identity permutation of the whole product has weight 0.95, as in
-  ``mhc_lite`` (and ``mhc``'s diagonal 0.95): the three mixers start from comparable ``H_res``.
-  ``"uniform"`` (``b = 0``) gives exactly ``J/n``. The paper's text available to us does not state
-  the initialisation; the authors' code sets logits 0 / -8 (identity weight σ(8) ≈ 0.9997 per
-  factor) and one-hot ±1 pre/post logits with zero dynamic weights. We keep ``mhc``'s
-  initialisation instead (``stream_init``: ``"hc"`` one-hot read by default, ``"symmetric"``; fan-in
-  normal ``φ``) so that ``mhc``, ``mhc_lite`` and ``kromhc`` differ only in ``H_res``; a logit gap
-  of 8 saturates the softmax, which a third-party replication reports freezes ``H_res`` near ``I``.
-- ``sinkhorn_iters`` / ``sinkhorn_grad`` are inherited from ``mhc`` and unused (no Sinkhorn).
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``kromhc``).
 """
 
 import itertools

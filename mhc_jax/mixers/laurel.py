@@ -10,24 +10,7 @@ General form ``x' = α F(x) + g(x, ...)``, ``F`` the pre-norm sublayer. Variants
 
 The previous-activations variant (LAuReL-PA) is not implemented.
 
-Low rank (``rank`` r, default 4 as in the paper's 1B LLM): ``A`` down-projects ``C -> r`` and
-``B`` up-projects ``r -> C``. The paper's init for its LLMs: the ``C × r`` factor column-
-orthogonal, entry ``1/sqrt(rC)`` where ``i mod r == j`` and 0 elsewhere, the ``r × C`` factor
-zero (so ``BA = 0`` and LR starts as the plain residual). Stored as ``w_down [C, r]`` (zeros)
-and ``w_up [r, C]`` (the column-orthogonal factor, transposed) for row vectors:
-``x B A ↦ (x @ w_down) @ w_up``. They are matrices on the stream, so they are weight-decayed
-(``w_*``), which pulls ``W`` towards ``I``.
-
-Residual weights: the paper says ``α, β`` must not grow unbounded and that "a normalization
-function such as softmax or sigmoid helps", without saying which it used or how they start.
-``rw_norm`` makes that an option; the learned logits ``b_rw [2]`` are not weight-decayed:
-
-- ``"softmax"`` (default): ``(α, β) = softmax(b_rw)``, ``b_rw = 0`` at init so ``α = β = 1/2``
-  (a convex combination: the bound the paper asks for, and its first-named choice);
-- ``"sigmoid"``: ``α = σ(b_rw[0])``, ``β = σ(b_rw[1])``, also ``1/2`` each at init;
-- ``"none"``: ``(α, β) = b_rw`` unconstrained, ones at init (the plain residual at step 0).
-
-State: one stream ``[B, T, 1, C]``; ``branch_rms`` is the RMS of the raw sublayer output ``F``.
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``laurel``).
 """
 
 from typing import Literal

@@ -7,31 +7,7 @@ of a token, ``v = RMSNorm(vec(x)) ∈ R^{nC}``:
 ``H_pre = σ(H̃_pre)``, ``H_post = 2σ(H̃_post)``, ``H_res = Sinkhorn(H̃_res)``: doubly stochastic,
 so every row and column of the mixing sums to 1 and the composite gain stays bounded.
 
-Initialisation (docs/mixers.md): ``expand`` copies the embedding into every stream, and a doubly
-stochastic ``H_res`` cannot amplify a difference between streams (it commutes with ``J`` and has
-norm <= 1 on the mean-free subspace): only asymmetric reads and writes create one, and every
-``H_res`` short of ``I`` shrinks it, layer after layer. The mHC paper builds on HC but does not say
-how ``b`` is initialised. ``stream_init`` sets ``b_pre`` and ``b_post``:
-
-- ``"onehot"`` (default): logits ``±1`` on stream ``layer mod n`` for both, so each layer reads
-  mostly (``σ(1) = 0.73``) and writes most (``2σ(1) = 1.46`` against ``0.54``) to its own stream:
-  HC's one-hot read ``A_m = e_{layer mod n}`` (Zhu et al., Eq. 14) carried into mHC's bounded
-  coefficients, with the write made asymmetric too, as the mHC-lite line's mHC baseline and the
-  KromHC authors' code do. With ``H_res`` near ``I`` it keeps the streams apart at depth 32.
-- ``"hc"``: HC's Eq. 14 literally: one-hot read ``σ(b_pre) = READ_INIT`` on stream ``layer mod n``,
-  ``1 - READ_INIT`` elsewhere, and an equal write ``H_post = 2σ(0) = 1`` (``B = 1``). The streams
-  separate at first and then drift together over depth.
-- ``"symmetric"``: MaxText's and Megatron-LM's, ``b_pre = b_post = 0`` (``H_pre = 1/2``,
-  ``H_post = 1`` on every stream): only ``α (v φ)`` with ``α = 0.01`` tells the streams apart, and
-  they collapse into one under training; kept to measure that.
-
-``h_res_init``: ``"identity"`` (default) biases ``b_res`` so ``H_res`` starts at diagonal
-``res_diag`` (0.999: logit gap ``log(res_diag / (1 - res_diag) · (n - 1))``, 8.0 at n = 4, HC's
-``A_r = I`` as near as a positive matrix gets; the mHC-lite line uses 0 / -8); ``"uniform"`` sets
-``b_res = 0`` so it starts near ``J/n`` (the polytope's centre, MaxText's start).
-
-``phi_init`` (1.0): ``φ ~ N(0, phi_init² / nC)`` (fan-in normal, the reference implementations'
-choice); ``0`` drops even that asymmetry. docs/mixers.md has the measured stream spread of each.
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``mhc``).
 
 Subclasses replace ``project_res``.
 """

@@ -11,20 +11,7 @@ comparing it with ``residual`` isolates what n streams with learned read/write c
 ``H_res = I`` is doubly stochastic (trivially: ``doubly_stochastic = True``); the stats report
 ``h_res = I`` (and ``h_res_tok = I`` per token) and ``sinkhorn_err = 0``.
 
-Options (defaults as in ``mhc``, so the two differ only in ``H_res``):
-
-- ``n`` (4): streams; ``dynamic`` (True): with ``False`` the ``v φ`` terms are dropped and
-  ``H_pre = σ(b_pre)``, ``H_post = 2σ(b_post)`` are static per layer;
-- ``alpha_init`` (0.01): initial ``α_pre``, ``α_post``;
-- ``phi_init`` (1.0): ``φ ~ N(0, phi_init² / nC)`` (fan-in normal, the symmetry breaking ``mhc``
-  uses: every stream gets its own read/write coefficients from the first step);
-- ``stream_init`` (``"hc"``): as in ``mhc``, HC's one-hot read on stream ``layer mod n`` with an
-  equal write; ``"symmetric"`` ``b_pre = b_post = 0`` (MaxText's / Megatron-LM's).
-
-Symmetry (docs/mixers.md): ``expand`` copies the embedding into every stream, and with
-``H_res = I`` nothing but the per-stream write ``H_post`` can make the streams differ. With the
-one-hot read the streams are read differently downstream, so their ``b_post`` gradients differ
-and they separate under training (the contract kit checks it).
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``mhc_identity``).
 """
 
 import math

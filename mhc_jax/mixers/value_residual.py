@@ -11,23 +11,7 @@ values ``[B, T, H, D]``. At mixer layer 0 (the first attention layer) ``value_fn
 values in the state and returns them unchanged; at later layers it returns the mix. MLP layers
 receive ``value_fn`` as well and ignore it, so the stored ``V_1`` passes through them.
 
-State: ``{"x": [B, T, 1, C], "v1": [B, T, C]}``. ``expand`` sees only ``[B, T, C]`` and the
-model does not tell mixers its head count, so ``V_1`` is kept flattened as ``[B, T, H·D]`` and
-reshaped to the values' ``[B, T, H, D]`` inside ``value_fn``; this needs ``H·D = C``, which
-holds in this model (``D = C / heads``) and is checked (an error otherwise). ``v1`` is zeros
-until layer 0 writes it. Gradients flow through ``V_1`` into the first layer's value
-projection, as in the reference code (it is not detached). ``stream`` and the collapse read
-``x``; the probes (zeros shaped like the whole state) also measure dLoss/d``v1``.
-
-Options (the paper's variants):
-
-- ``learnable`` (default False): fixed ``λ`` is the paper's main ResFormer ("Identity-
-  ResFormer", ``λ1 = λ2 = 0.5``, its reference code); True learns one ``(λ1, λ2)`` pair per
-  mixer layer ("Learnable-ResFormer"), initialised at ``lambda1, lambda2``. Parameters are
-  uniform across layers under ``nn.scan``, so MLP layers and layer 0 hold a pair they never
-  use (zero gradient);
-- ``lambda1`` (0.5): weight on ``V_1``; ``lambda2`` (0.5): weight on the layer's own ``V_n``.
-  The paper's other fixed choices are reachable with these, e.g. ``lambda1=2, lambda2=1``.
+Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``value_residual``).
 """
 
 import flax.linen as nn
