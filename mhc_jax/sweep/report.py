@@ -35,6 +35,7 @@ _EVAL_FIELDS = {
 #: their names): where a run's logs lack one, its columns read n/a and the note says so.
 _LATER = {"per-token composite": "_tok_", "amin composite": "amin_", "suffix products": "_suffix"}
 _LATER["stream spread"] = "stream_spread"
+_LATER["H_res movement"] = "h_res_"
 #: The columns of those metrics -> (metric, reduction).
 LATER_COLUMNS = {
   c: (m.name, how)
@@ -92,6 +93,7 @@ OPTIONAL_COLUMNS = ("attn_logit_max", "out_logit_max", "logz_absmax", *_EVAL_FIE
 SHOWN_METRICS = """eval_loss final_loss kl_bits spike_count max_grad_norm
 amax_fwd_composite_tok_mean_max amax_bwd_composite_tok_mean_max amax_fwd_composite_max
 amax_bwd_composite_max stream_spread_last stream_spread_mean""".split()
+SHOWN_METRICS += ["h_res_diag_mean", "h_res_shift_mean"]  # does the mixing move (issue 41)
 #: The columns a finished sweep prints after the run's axes (summary.csv has every column).
 SCREEN_COLUMNS = """status eval_loss kl_bits spike_count amax_fwd_composite_max
 amax_fwd_composite_tok_mean_max""".split()
