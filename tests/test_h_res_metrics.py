@@ -139,3 +139,25 @@ def test_train_writes_h_res_diag_and_shift_per_layer(tmp_path, mixer):
     np.testing.assert_allclose(diag[0]["h_res_diag"], 0.999, atol=1e-3)
     assert diag[0]["h_res_shift"] == [0.0] * 4
     assert all(s > 0 for s in last["h_res_shift"])  # trained, it moved (a little)
+
+
+def test_h_res_figure_draws_one_line_per_seed_group_and_nothing_without_the_metric(tmp_path):
+  import pandas as pd
+
+  from mhc_jax.sweep import plots
+
+  names = [f"mixer={m},seed={s}" for m in ("mhc", "mhc_identity") for s in (0, 1)]
+  runs = pd.DataFrame({"run": names, "mixer": [n.split(",")[0][6:] for n in names]})
+  runs["seed"] = [0, 1, 0, 1]
+  runs.attrs["id_columns"] = ["run", "mixer", "seed"]
+  rows = [
+    {"run": r, "step": s, "stream_spread": [0.1] * 4, "h_res_diag": [1.0 - s / 100] * 4}
+    | {"h_res_shift": [s / 100] * 4}
+    for r in names
+    for s in (0, 10)
+  ]
+  m = pd.DataFrame(rows)
+  out = plots.h_res_vs_layer(m, runs, tmp_path / "h.png")
+  assert out and (tmp_path / "h.png").stat().st_size > 1000
+  assert plots.h_res_vs_layer(m.drop(columns="h_res_diag"), runs, tmp_path / "x.png") is None
+  assert not (tmp_path / "x.png").exists()

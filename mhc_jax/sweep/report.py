@@ -771,6 +771,7 @@ def screen(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
 def _plot_frames(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   """(metrics, events) of every run with metrics, with a ``run`` column, for the plots."""
   keep = ["step", "loss", "grad_norm", "gain_fwd", "stream_spread"]
+  keep += ["h_res_diag", "h_res_shift"]
   keep += [f"amax_{d}_composite{t}" for t in ("", "_tok_mean") for d in ("fwd", "bwd")]
   frames, evs = [], []
   for name, rdir in table.attrs["run_dirs"].items():
@@ -813,6 +814,11 @@ def _figures(table, lr_tab, out, paths, max_heatmaps, dpi) -> tuple[list, list[s
       lambda p: plots.stream_spread_vs_layer(m, runs, p, dpi=dpi),
       "No stream spread plot: no run has logged stream_spread (logs written before it existed, "
       "or mixers whose state is not streams).",
+    ),
+    "h_res": (
+      "Stream spread and H_res movement against layer",
+      lambda p: plots.h_res_vs_layer(m, runs, p, dpi=dpi),
+      "No H_res movement plot: no run has logged h_res_diag (logs written before it existed).",
     ),
     "lr_sensitivity": (
       "Learning-rate sensitivity",
