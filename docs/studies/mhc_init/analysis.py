@@ -4,7 +4,7 @@
   .venv/bin/python docs/studies/mhc_init/analysis.py SWEEP_DIR/d16 SWEEP_DIR/d32 \\
       [--out docs/studies/mhc_init]
 
-Reads every finished run's row of each sweep's report/summary.csv (one sweep per depth variant),
+Reads every finished run's row (its summary.json says done) of each sweep's report/summary.csv (one sweep per depth variant),
 names its arm from the run name, and reads the per-layer ``stream_spread``, ``h_res_diag`` and
 ``h_res_shift`` of its last diagnostics step from metrics.jsonl. Writes and prints as Markdown:
 
@@ -64,11 +64,18 @@ def last_layers(run_dir: Path) -> dict[str, np.ndarray]:
   return out
 
 
+def _status(run_dir: Path) -> str:
+  f = run_dir / "summary.json"
+  return json.loads(f.read_text()).get("status", "") if f.is_file() else ""
+
+
 def load(sweeps: list[Path]) -> tuple[pd.DataFrame, dict]:
   rows, layers = [], {}
   for sweep in sweeps:
     d = pd.read_csv(sweep / "report" / "summary.csv")
-    d = d[d["status"] == "done"].copy()
+    # finished runs: the run's own summary.json (the manifest lags while the sweep runs)
+    done = [_status(sweep / "runs" / r) == "done" for r in d["run"]]
+    d = d[done].copy()
     d["arm"] = d["run"].str.extract(r"arm=([^,]+)", expand=False)
     for _, r in d.iterrows():
       lay = last_layers(sweep / "runs" / r["run"])
