@@ -2,7 +2,7 @@
 
   .venv/bin/mhc-jax report SWEEP_DIR/d16 && .venv/bin/mhc-jax report SWEEP_DIR/d32
   .venv/bin/python docs/studies/mhc_init/analysis.py SWEEP_DIR/d16 SWEEP_DIR/d32 \\
-      [--out docs/studies/mhc_init]
+      SWEEP_DIR/d16_control SWEEP_DIR/d32_control [--out docs/studies/mhc_init]
 
 Reads every finished run's row (its summary.json says done) of each sweep's report/summary.csv (one sweep per depth variant),
 names its arm from the run name, and reads the per-layer ``stream_spread``, ``h_res_diag`` and
@@ -15,9 +15,10 @@ names its arm from the run name, and reads the per-layer ``stream_spread``, ``h_
   the last layer and the max gradient norm as geometric means with the log-scale 95% t interval;
   the layer means of ``h_res_diag``, ``h_res_shift`` and ``h_res_dynamic_share`` at the last
   diagnostics step, mean and 95% t interval over seeds;
-- ``paired_arms.csv``: per depth, every mhc arm against ``mhc_identity`` (no mixing), paired by
-  seed: held-out loss ``arm - mhc_identity`` with its 95% t interval, the stream spread ratio on
-  the log scale; ``significant`` as in the report (``mhc_jax.sweep.stats.significant``);
+- ``paired_arms.csv``: per depth, every mhc arm against ``mhc_identity`` (no mixing), and
+  ``mhc_a1`` against ``mhc_identity_a1`` (no mixing at the same ``alpha_init`` 1.0, from
+  configs/studies/mhc_init_control.yaml), paired by seed: held-out loss ``b - a`` with its 95% t
+  interval, the stream spread ratio ``b / a`` on the log scale; ``significant`` as in the report (``mhc_jax.sweep.stats.significant``);
 - ``h_res_layers.png``: per mixer layer at the last diagnostics step, the stream spread, H_res
   diagonal and shift of each arm (mean over seeds), one row per depth;
 - ``tradeoff.png``: per arm and depth, the H_res shift against the held-out loss difference to
@@ -47,7 +48,11 @@ ARMS = [
   "mhc_d099",
   "mhc_d999",
   "mhc_a1",
+  "mhc_identity_a1",
 ]
+#: (a, b) compared as b - a: every mhc arm against no mixing, and the alpha_init 1.0 arm against
+#: no mixing at the same alpha_init (configs/studies/mhc_init_control.yaml)
+PAIRS = [("mhc_identity", a) for a in ARMS[1:]] + [("mhc_identity_a1", "mhc_a1")]
 RAW = ["eval_loss", "final_loss", "h_res_diag_mean", "h_res_shift_mean", "h_res_dynamic_share_mean"]
 LOG = ["stream_spread_last", "max_grad_norm"]
 LAYER = ("stream_spread", "h_res_diag", "h_res_shift")
@@ -112,7 +117,7 @@ def arm_table(d: pd.DataFrame) -> pd.DataFrame:
 
 def paired_table(d: pd.DataFrame) -> pd.DataFrame:
   out = stats.paired_stats(d, "arm", ["depth"], RAW + LOG, log_metrics=LOG, order=ARMS)
-  out = out[out["a"] == "mhc_identity"]
+  out = out[[(a, b) in PAIRS for a, b in zip(out["a"], out["b"])]]
   return out.sort_values(["depth", "metric"], kind="stable").reset_index(drop=True)
 
 
@@ -148,11 +153,10 @@ def markdown_arms(t: pd.DataFrame) -> str:
 
 def markdown_paired(p: pd.DataFrame) -> str:
   lines = [
-    "| depth | arm vs mhc_identity | n pairs | held-out loss arm - identity | stream spread "
-    "arm / identity |",
+    "| depth | b vs a | n pairs | held-out loss b - a | stream spread b / a |",
     "| --- " * 5 + "|",
   ]
-  for (depth, b), g in p.groupby(["depth", "b"], sort=False):
+  for (depth, a, b), g in p.groupby(["depth", "a", "b"], sort=False):
     cell = {}
     for _, r in g.iterrows():
       if r["scale"] == "log":
@@ -161,7 +165,7 @@ def markdown_paired(p: pd.DataFrame) -> str:
         txt = _ci(r["diff_mean"], r["diff_ci_lo"], r["diff_ci_hi"])
       cell[r["metric"]] = txt + (" *" if r["significant"] else "")
     lines.append(
-      f"| {depth} | {b} | {g['n_pairs'].iloc[0]} | {cell.get('eval_loss', '')} | "
+      f"| {depth} | {b} vs {a} | {g['n_pairs'].iloc[0]} | {cell.get('eval_loss', '')} | "
       f"{cell.get('stream_spread_last', '')} |"
     )
   return "\n".join(lines)
@@ -175,10 +179,9 @@ def figures(runs: pd.DataFrame, layers: dict, paired: pd.DataFrame, out: Path) -
 
   arms = [a for a in ARMS if a in set(runs["arm"])]
   cmap = plt.get_cmap("viridis")
-  color = {
-    a: ("black" if a == "mhc_identity" else cmap(i / max(1, len(arms) - 1)))
-    for i, a in enumerate(arms)
-  }
+  mixing = [a for a in arms if not a.startswith("mhc_identity")]
+  color = {a: cmap(i / max(1, len(mixing) - 1)) for i, a in enumerate(mixing)}
+  color |= {"mhc_identity": "black", "mhc_identity_a1": "grey"}
   depths = sorted(runs["depth"].unique())
   fig, axes = plt.subplots(len(depths), 3, figsize=(15, 3.8 * len(depths)), squeeze=False)
   for row, depth in zip(axes, depths):
