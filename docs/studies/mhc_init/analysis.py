@@ -40,6 +40,7 @@ from mhc_jax.sweep import stats
 
 ARMS = [
   "mhc_identity",
+  "mhc_identity_a1",
   "mhc_uniform",
   "mhc_d050",
   "mhc_d080",
@@ -48,7 +49,6 @@ ARMS = [
   "mhc_d099",
   "mhc_d999",
   "mhc_a1",
-  "mhc_identity_a1",
 ]
 #: (a, b) compared as b - a: every mhc arm against no mixing, and the alpha_init 1.0 arm against
 #: no mixing at the same alpha_init (configs/studies/mhc_init_control.yaml)
