@@ -179,6 +179,28 @@ def log_colsum_max(h_L, floor: float = LOG_FLOOR) -> jax.Array:
   return _log_colsum_max_of(composite(h_L), floor)
 
 
+# --------------------------------------------------------------------------- is H_res used
+def h_res_diag(h_L) -> jax.Array:
+  """Mean diagonal of each layer's ``H_res`` ([..., 2L, n, n] -> [..., 2L]): 1 at ``I``, ``1/n``
+  at ``J/n``."""
+  return jnp.mean(jnp.diagonal(_f32(h_L), axis1=-2, axis2=-1), axis=-1)
+
+
+def h_res_dynamic_share(h_tok) -> jax.Array:
+  """Share of the token sample's ``H_res`` that is token-dependent ([..., 2L, S, n, n] -> [..., 2L]).
+
+  ``Σ_s ||H_s - H̄||² / Σ_s ||H_s - J/n||²`` with ``H̄`` the sample mean: the token variance's
+  part of the second moment about ``J/n`` (``Σ_s ||H_s - J/n||² = S ||H̄ - J/n||² + Σ_s
+  ||H_s - H̄||²``), so it lies in [0, 1]; 0 for a static ``H_res`` (and where every ``H_s`` is
+  ``J/n``), 1 where the token-averaged ``H_res`` is ``J/n``. docs/interfaces.md.
+  """
+  h = _f32(h_tok)
+  n = h.shape[-1]
+  var = jnp.sum(jnp.square(h - jnp.mean(h, axis=-3, keepdims=True)), axis=(-3, -2, -1))
+  tot = jnp.sum(jnp.square(h - 1.0 / n), axis=(-3, -2, -1))
+  return jnp.where(tot > 0, var / jnp.where(tot > 0, tot, 1.0), 0.0)
+
+
 # --------------------------------------------------------------------------- parameter trees
 def _sq_leaves(tree):
   return [jnp.square(_f32(x)) for x in jax.tree_util.tree_leaves(tree)]
@@ -227,8 +249,9 @@ def layer_metrics(
   ``rms_out``, ``branch_rms`` [2L] (any may be missing, its metrics are then skipped).
   Returns ``gain_fwd``, ``branch_ratio``, ``amax_fwd``, ``amax_bwd``,
   ``amax_{fwd,bwd}_composite``, ``amin_{fwd,bwd}_composite``, ``amax_{fwd,bwd}_suffix``,
-  ``log_colsum_max`` (token-averaged ``h_res``), ``amax_{fwd,bwd}_composite_tok_{mean,max}``
-  (per-token products of ``h_res_tok``), all [2L], and with ``grad_rms`` given also ``grad_rms`` and
+  ``log_colsum_max``, ``h_res_diag`` (token-averaged ``h_res``, itself passed on as
+  ``h_res_avg [2L, n, n]``), ``amax_{fwd,bwd}_composite_tok_{mean,max}`` and
+  ``h_res_dynamic_share`` (per-token ``h_res_tok``), all [2L], and with ``grad_rms`` given also ``grad_rms`` and
   ``gain_bwd`` (see :func:`gain_bwd` for ``grad_rms_out``). ``sinkhorn_err``, ``stream_spread``,
   ``attn_logit_max`` and the scalar ``out_logit_max``, ``logsumexp_mean``,
   ``logsumexp_max`` are passed through (as float32) when present.
@@ -251,8 +274,11 @@ def layer_metrics(
     out["amax_fwd_suffix"] = amax_fwd(sfx)
     out["amax_bwd_suffix"] = amax_bwd(sfx)
     out["log_colsum_max"] = _log_colsum_max_of(p)
+    out["h_res_diag"] = h_res_diag(h)
+    out["h_res_avg"] = h  # for h_res_shift, which the run's Recorder forms (not logged)
   if "h_res_tok" in stats:
     out.update(token_composite_gains(stats["h_res_tok"]))
+    out["h_res_dynamic_share"] = h_res_dynamic_share(stats["h_res_tok"])
   if grad_rms is not None:
     out["grad_rms"] = _f32(grad_rms)
     out["gain_bwd"] = gain_bwd(grad_rms, grad_rms_out)

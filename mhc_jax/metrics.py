@@ -152,6 +152,30 @@ METRICS: tuple[Metric, ...] = (
     plot="layer",
   ),
   _m(
+    "h_res_diag",
+    "layer",
+    "diag",
+    "mean diagonal of the layer's token-averaged H_res: 1 = no mixing (I), 1/n = uniform (J/n)",
+    summary={"h_res_diag_mean": "layer_mean", "h_res_diag_min": "layer_min"},
+    plot="layer",
+  ),
+  _m(
+    "h_res_shift",
+    "layer",
+    "diag",
+    "RMS over the n x n entries of the token-averaged H_res minus its value at step 0",
+    summary={"h_res_shift_mean": "layer_mean", "h_res_shift_max_all_layers": "max_all_layers"},
+    plot="layer",
+  ),
+  _m(
+    "h_res_dynamic_share",
+    "layer",
+    "diag",
+    "token-dependent share of H_res over the token sample: sum_s |H_s - mean H|^2 / "
+    "sum_s |H_s - J/n|^2 (0 = static)",
+    summary={"h_res_dynamic_share_mean": "layer_mean"},
+  ),
+  _m(
     "attn_logit_max",
     "block",
     "diag",

@@ -146,6 +146,8 @@ def test_layer_metrics_under_jit_matches_eager():
     "amin_bwd_composite",
     "amax_fwd_suffix",
     "amax_bwd_suffix",
+    "h_res_diag",
+    "h_res_avg",
     "sinkhorn_err",
     "attn_logit_max",
     "out_logit_max",

@@ -73,3 +73,23 @@ def test_lr_tables_recompute_from_runs_csv(folder, tmp_path):
   need = {"arm", "mixer", "depth", "width", "lr", "seed", "status", "loss_init", "eval_loss"}
   assert need <= set(runs.columns)
   assert runs.groupby(["arm", "depth", "lr"]).size().eq(runs["seed"].nunique()).all()
+
+
+def test_mhc_init_tables_recompute_from_runs_csv():
+  """docs/studies/mhc_init: arms.csv and paired_arms.csv from the committed per-run rows; every
+  mhc arm is paired with mhc_identity by seed, and mhc_identity's H_res never moved."""
+  here = STUDIES / "mhc_init"
+  runs = pd.read_csv(here / "runs.csv")
+  arms, paired = _analysis("mhc_init").tables(runs)
+  pd.testing.assert_frame_equal(
+    arms.reset_index(drop=True), pd.read_csv(here / "arms.csv"), check_dtype=False, rtol=1e-9
+  )
+  pd.testing.assert_frame_equal(
+    paired.reset_index(drop=True),
+    pd.read_csv(here / "paired_arms.csv"),
+    check_dtype=False,
+    rtol=1e-9,
+  )
+  assert set(paired["a"]) <= {"mhc_identity", "mhc_identity_a1"} and (paired["n_pairs"] >= 3).all()
+  ident = runs[runs["arm"] == "mhc_identity"]
+  assert (ident["h_res_diag_mean"] == 1).all() and (ident["h_res_shift_mean"] == 0).all()

@@ -74,6 +74,12 @@ CAPTIONS = {
   "HC's spread typically peaks mid-depth and falls near the output. Log scale where every value is "
   "positive and they span 30x or more. Read: a multi-stream mixer whose line lies on the floor uses "
   "its n streams as one.",
+  "h_res": "Per mixer layer at the last diagnostics step: stream spread (left), the mean diagonal "
+  "of the token-averaged H_res (middle: 1 = the identity, 1/n = uniform mixing) and its RMS shift "
+  "from step 0 (right). One line per group of runs that differ only in the seed (the mean over "
+  "its seeds, n in the legend); colour = mixer, shades within a mixer. Read: a diagonal at 1 "
+  "with no shift is a mixing that never moved from its init; a doubly stochastic H_res that "
+  "moves off I shrinks the differences between streams, which the spread shows.",
   "heatmap": "Per-layer gains over training, one figure per run. Left: gain_fwd = RMS(stream out) / "
   "RMS(stream in) of each mixer layer (rows, bottom = first attention sublayer, attention and MLP "
   "alternate); right: composite forward Amax gain of the product of H_res up to that layer (top row = "
@@ -482,6 +488,54 @@ def stream_spread_vs_layer(
   handles = _legend_handles(colors, styles, keys, max(max_band, default=0))
   x, title = "mixer layer (attn 0, mlp 0, attn 1, ...)", "Stream spread against layer"
   _finish(fig, axes, handles, log=log, xlabel=x, ylabel="stream spread", title=title)
+  return _save(fig, path, dpi)
+
+
+def h_res_vs_layer(
+  metrics: pd.DataFrame, runs: pd.DataFrame, path, *, dpi: int = 110
+) -> str | None:
+  """Does the mixing move (issue 41): per mixer layer at the last diagnostics step, the stream
+  spread beside ``h_res_diag`` and ``h_res_shift``; one line per group of runs that differ only in
+  the seed (mean over seeds), coloured by mixer, shaded within a mixer; ``None`` where no run
+  logged ``h_res_diag``."""
+  cols = ("stream_spread", "h_res_diag", "h_res_shift")
+  if metrics is None or not len(metrics) or "h_res_diag" not in metrics.columns:
+    return None
+  last = {}  # run -> {col: values per layer at the last diagnostics step}
+  for name, df in metrics.groupby("run", sort=False):
+    got = {c: _layer_matrix(df, c)[1] for c in cols}
+    if got["h_res_diag"].size:
+      last[name] = {c: m[:, -1] if m.size else np.zeros(0) for c, m in got.items()}
+  runs = runs[runs["run"].isin(set(last))]
+  if not len(runs):
+    return None
+  groups, colors = _seed_groups(runs), mixer_colors(_mixer_of(runs))
+  per_mixer = _mixer_of(runs).drop_duplicates().tolist()
+  fig, axes = plt.subplots(1, 3, figsize=(14.0, 3.8), layout="constrained")
+  handles, seen = [], {m: 0 for m in per_mixer}
+  for members in groups:
+    mixer = str(_mixer_of(members).iloc[0])
+    k = seen[mixer] = seen[mixer] + 1
+    n = sum(str(_mixer_of(g).iloc[0]) == mixer for g in groups)
+    c = _shade(colors[mixer], k - 1, n) if n > 1 else colors[mixer]
+    for ax, col in zip(axes, cols):
+      vals = [last[r][col] for r in members["run"] if last[r][col].size]
+      if vals:
+        size = min(v.size for v in vals)
+        ax.plot(np.mean([v[:size] for v in vals], axis=0), color=c, lw=1.4, marker="o", ms=2.5)
+    label = str(members["run"].iloc[0])
+    label = ",".join(p for p in label.split(",") if not p.startswith("seed="))
+    handles.append(Line2D([], [], color=c, lw=2, label=f"{label} (n={len(members)})"))
+  ylabels = ("stream spread", "mean diagonal of H_res (1 = I)", "RMS(H_res - H_res at step 0)")
+  for ax, col, yl in zip(axes, cols, ylabels):
+    ax.set_title(col, fontsize=10)
+    ax.set_xlabel("mixer layer (attn 0, mlp 0, attn 1, ...)")
+    ax.set_ylabel(yl)
+    ax.grid(True, alpha=0.3)
+  fig.legend(handles=handles, **_LEG)
+  fig.suptitle(
+    "Stream spread and H_res movement against layer (last diagnostics step)", fontsize=12
+  )
   return _save(fig, path, dpi)
 
 

@@ -85,6 +85,7 @@ OPTIONAL_COLUMNS = ("attn_logit_max", "out_logit_max", "logz_absmax", *_EVAL_FIE
 SHOWN_METRICS = """eval_loss final_loss kl_bits spike_count max_grad_norm
 amax_fwd_composite_tok_mean_max amax_bwd_composite_tok_mean_max amax_fwd_composite_max
 amax_bwd_composite_max stream_spread_last stream_spread_mean""".split()
+SHOWN_METRICS += ["h_res_diag_mean", "h_res_shift_mean"]  # does the mixing move (issue 41)
 #: The columns a finished sweep prints after the run's axes (summary.csv has every column).
 SCREEN_COLUMNS = """status eval_loss kl_bits spike_count amax_fwd_composite_max
 amax_fwd_composite_tok_mean_max""".split()
@@ -198,6 +199,12 @@ def _summarize(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
     )
   elif records and not _layer_lists(records, "stream_spread"):
     notes.append("not logged: stream spread")
+  if (
+    records
+    and _layer_lists(records, "amax_fwd_composite")
+    and not _layer_lists(records, "h_res_diag")
+  ):
+    notes.append("not logged: H_res movement (h_res_*)")
   if status not in (None, "done"):
     notes.append(f"summary.json: {status}")
   out["note"] = "; ".join(notes)
@@ -772,6 +779,7 @@ def screen(sweep_dir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
 def _plot_frames(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   """(metrics, events) of every run with metrics, with a ``run`` column, for the plots."""
   keep = ["step", "loss", "grad_norm", "gain_fwd", "stream_spread"]
+  keep += ["h_res_diag", "h_res_shift"]
   keep += [f"amax_{d}_composite{t}" for t in ("", "_tok_mean") for d in ("fwd", "bwd")]
   frames, evs = [], []
   for name, rdir in table.attrs["run_dirs"].items():
@@ -814,6 +822,11 @@ def _figures(table, lr_tab, out, paths, max_heatmaps, dpi) -> tuple[list, list[s
       lambda p: plots.stream_spread_vs_layer(m, runs, p, dpi=dpi),
       "No stream spread plot: no run has logged stream_spread (logs written before it existed, "
       "or mixers whose state is not streams).",
+    ),
+    "h_res": (
+      "Stream spread and H_res movement against layer",
+      lambda p: plots.h_res_vs_layer(m, runs, p, dpi=dpi),
+      "No H_res movement plot: no run has logged h_res_diag (logs written before it existed).",
     ),
     "lr_sensitivity": (
       "Learning-rate sensitivity",

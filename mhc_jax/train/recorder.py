@@ -32,6 +32,7 @@ class Recorder:
     self.halt_message = ""
     self.last_loss = math.nan
     self.last_eval: dict = {}
+    self.h_res0 = None  # token-averaged H_res [2L, n, n] at the first diagnostics step
     self.wall_before = 0.0
     self.t0 = time.perf_counter()
     self.metrics = self.events = self.tb = None
@@ -48,6 +49,8 @@ class Recorder:
       self.diverged = host.get("diverged")
       self.first_nonfinite = host.get("first_nonfinite")
       self.wall_before = float(host.get("wall_s", 0.0))
+      if host.get("h_res0") is not None:
+        self.h_res0 = np.asarray(host["h_res0"], np.float32)
     if not self.main:
       return
     from mhc_jax.train.config import DistConfig, save_config
@@ -77,6 +80,7 @@ class Recorder:
       "diverged": self.diverged,
       "first_nonfinite": self.first_nonfinite,
       "wall_s": self.wall_s(),
+      "h_res0": None if self.h_res0 is None else self.h_res0.tolist(),
     }
 
   def wall_s(self) -> float:
@@ -108,6 +112,7 @@ class Recorder:
       events.append({"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0})
       events[-1] |= where
     rec["spike_score"] = score
+    self._h_res_shift(rec)
     fired = self.divergence.update(rec["loss"] if finite else math.nan)
     if fired and self.diverged is None:
       self.diverged = {"step": step, "reason": self.divergence.reason}
@@ -145,6 +150,18 @@ class Recorder:
         self.events.write(e)
     self._remember(rec)
     return halt
+
+  def _h_res_shift(self, rec: dict) -> None:
+    """``h_res_shift`` per layer: RMS over the n x n entries of the token-averaged ``H_res``
+    minus its value at the first diagnostics step (step 0), which a checkpoint keeps, so a
+    resumed run reads as an uninterrupted one (docs/interfaces.md)."""
+    h = rec.pop("h_res_avg", None)
+    if h is None:
+      return
+    h = np.asarray(h, np.float32)
+    if self.h_res0 is None:
+      self.h_res0 = h
+    rec["h_res_shift"] = np.sqrt(np.mean(np.square(h - self.h_res0), axis=(-2, -1))).tolist()
 
   def flush(self) -> None:
     """Store what was logged (before a checkpoint of the steps it covers is saved)."""
