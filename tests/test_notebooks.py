@@ -58,3 +58,16 @@ def test_notebook_executes(path, tiny_sweep, monkeypatch, tmp_path):  # noqa: F8
   assert not errors
   images = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
   assert images >= 2
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_notebooks_carry_their_outputs(path):
+  """What a reader opening the repository online sees: every code cell executed (by
+  notebooks/execute.py), no error output, and the figures (at least two per notebook)."""
+  nb = nbformat.read(path, as_version=4)
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  assert code and all(c.get("execution_count") for c in code), "run notebooks/execute.py"
+  outputs = [o for c in code for o in c.get("outputs", [])]
+  assert not [o for o in outputs if o.get("output_type") == "error"]
+  assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2
+  assert nb.cells[0].cell_type == "markdown" and "MHC_" in nb.cells[0].source
