@@ -138,7 +138,10 @@ def alone_per_round(dots: Counter, times: dict, net: bool = False) -> list[float
 def mixer_dots(base: list[str], mixer: str, n: int) -> tuple[Counter, float]:
   """``(Counter({Dot: count}), model FLOPs)`` of one mixer's compiled step."""
   # model.scan=false: every dot once in the HLO, no while loop to count through
+  # train.diag_every=0: no non-finite localisation branch (a lax.cond that re-runs the forward and
+  # backward only on a non-finite step) whose dots would be counted as if every step ran them
   extra = [f"model.mixer={mixer}", *train_step.streams(mixer, n), "model.scan=false"]
+  extra.append("train.diag_every=0")
   cfg = load_config(None, base + extra)
   fn, state, batch = train_step.build(cfg)
   tokens = cfg.data.batch_size * cfg.data.seq_len
