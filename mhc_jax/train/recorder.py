@@ -109,8 +109,9 @@ class Recorder:
       # None (-1): not located (diagnostics off), or not per layer
       where = {"layer": None if layer < 0 else layer, "tensor": (*NONFINITE_TENSORS, None)[code]}
       self.first_nonfinite = self.first_nonfinite or {"step": step, **where}
-      events.append({"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0})
-      events[-1] |= where
+      events.append(
+        {"step": step, "kind": "nonfinite", "value": rec["loss"], "threshold": 0.0, **where}
+      )
     rec["spike_score"] = score
     self._h_res_shift(rec)
     fired = self.divergence.update(rec["loss"] if finite else math.nan)
