@@ -73,7 +73,7 @@ def record_mixer(run_dir, mixer: str) -> None:
   zoo's): the file of its module and its package's ``__version__``."""
   from mhc_jax import mixers
 
-  mod = sys.modules[mixers._cls(mixer).__module__]
+  mod = sys.modules[mixers.resolve(mixer).__module__]
   if not mod.__name__.startswith("mhc_jax."):
     version = getattr(sys.modules[mod.__name__.split(".")[0]], "__version__", None)
     out = {"mixer": mixer, "file": getattr(mod, "__file__", None), "version": version}

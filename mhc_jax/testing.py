@@ -286,7 +286,7 @@ def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts)
   :data:`SEP_DEPTH`-layer stack, the lower quartile of the stream spread over its layers exceeds
   ``threshold`` (why a quartile, and the measured values: docs/mixers.md, "Symmetry").
   Single-stream mixers (``n = 1``) pass trivially. Returns the quartile."""
-  n = opts.get("n", int(getattr(mixers._cls(name), "n", 1)))  # the mixer's default n
+  n = opts.get("n", int(getattr(mixers.resolve(name), "n", 1)))  # the mixer's default n
   if n == 1 or not type(mixers.get(name, **opts)).multi_stream:
     return 0.0
   per_layer = stream_separation(name, **opts)[-1]

@@ -111,6 +111,9 @@ def test_a_module_class_path_is_a_mixer_name(usermix):
   cfg = load_config(None, ["model.mixer=usermix:Gated", "model.mixer_options={gate_init: 0.5}"])
   assert cfg.model.mixer == "usermix:Gated" and cfg.model.mixer_options == {"gate_init": 0.5}
   assert type(mixers.get("usermix:Gated")).__name__ == "Gated"
+  # the public lookup others (the run directory's mixer_source.json) use: a name, a path, a class
+  assert mixers.resolve("usermix:Gated").__name__ == "Gated"
+  assert mixers.resolve("hc") is mixers.resolve(mixers.resolve("hc"))
   assert mixers.options("usermix:Gated") == ["n", "collapse", "gate_init"]
   with pytest.raises(ConfigError, match=r"model.mixer_options.gate_init: expected float"):
     load_config(None, ["model.mixer=usermix:Gated", "model.mixer_options.gate_init=high"])

@@ -55,11 +55,11 @@ def names() -> list[str]:
 
 def options(name: str) -> list[str]:
   """The option names a mixer accepts (its dataclass fields, minus Flax internals)."""
-  cls = _cls(name)
+  cls = resolve(name)
   return [f.name for f in dataclasses.fields(cls) if f.name not in ("parent", "name", "layers")]
 
 
-def _cls(name) -> type[Mixer]:
+def resolve(name) -> type[Mixer]:
   """The class of a registered name, of a ``"module:Class"`` path (imported) or a class."""
   if isinstance(name, type):
     return _checked(name, name)
@@ -112,11 +112,21 @@ def get(name: str, *, module_name: str | None = None, layers: int = 0, **opts) -
   ``layers`` is the model's number of mixer layers (2L), for mixers whose state depends on depth.
   Unknown options raise ``ValueError`` naming them.
   """
-  cls = _cls(name)
+  cls = resolve(name)
   bad = sorted(set(opts) - set(options(name)))
   if bad:
     raise ValueError(f"mixer {name!r}: unknown option(s) {bad}; accepted: {options(name)}")
   return cls(**opts, layers=layers, name=module_name)
 
 
-__all__ = ["STAT_KEYS", "Collapse", "Mixer", "get", "load", "names", "options", "register"]
+__all__ = [
+  "STAT_KEYS",
+  "Collapse",
+  "Mixer",
+  "get",
+  "load",
+  "names",
+  "options",
+  "register",
+  "resolve",
+]
