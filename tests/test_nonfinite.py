@@ -131,3 +131,31 @@ def test_update_ratio_is_lr_times_grad_over_param_norm_under_sgd():
   want = lr * np.asarray(m["layer_grad_norm"]) / tree_layer_norms(params["params"]["blocks"])
   assert m["update_ratio"].shape == (2,) and not math.isclose(want[0], want[1], rel_tol=1e-3)
   np.testing.assert_allclose(m["update_ratio"], want, rtol=1e-5)
+
+
+def test_a_diagnostics_step_locates_from_its_own_stats_without_a_second_pass():
+  """A diagnostics step already has every per-layer stat the location reads, so it locates
+  without the re-run a plain step needs: its program holds one forward and backward, as many
+  dots as the same step built without localisation, and still returns ``nonfinite_at``."""
+  from mhc_jax.model import Transformer
+  from mhc_jax.train.optim import make_optimizer
+  from mhc_jax.train.state import init_fn
+  from mhc_jax.train.step import make_train_step
+
+  cfg = _cfg("model.vocab=32")
+  model = Transformer(cfg.model)
+  tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+  b, t = cfg.data.batch_size, cfg.data.seq_len
+  state = init_fn(model, jnp.zeros((1, t), jnp.int32), tx)(jax.random.PRNGKey(0))
+  batch = {"inputs": jnp.zeros((b, t), jnp.int32), "targets": jnp.zeros((b, t), jnp.int32),
+           "mask": jnp.ones((b, t))}  # fmt: skip
+
+  def dots(locate: bool, diag: bool) -> tuple[int, dict]:
+    step = jax.jit(make_train_step(model, tx, schedule, cfg, locate=locate), static_argnums=2)
+    text = step.lower(state, batch, diag).as_text()
+    return text.count("stablehlo.dot_general"), jax.eval_shape(step, state, batch, diag)[1]
+
+  (with_loc, out), (without, _) = dots(True, True), dots(False, True)
+  assert with_loc == without and out["nonfinite_at"].shape == (2,)
+  plain_loc, plain = dots(True, False)[0], dots(False, False)[0]
+  assert plain_loc > plain  # a plain step re-runs forward and backward, only when it went bad

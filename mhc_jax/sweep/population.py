@@ -129,7 +129,7 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
       state, lrs, batch
     )
     freeze = lambda n, o: jnp.where(active.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
-    if cfg.train.diag_every:  # a cond outside the vmap: located only when a member fails
+    if cfg.train.diag_every and not diag:  # a cond outside the vmap: only when a member fails
       loss = make_loss(model, cfg)
       loc = jax.vmap(lambda p, b: locate_nonfinite(loss, cfg, p, b), in_axes=(0, b_axis))
       none = lambda: jnp.full((len(lrs), 2), -1, jnp.int32)

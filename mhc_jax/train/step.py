@@ -57,12 +57,19 @@ NONFINITE_TENSORS = ("stream_in", "branch", "stream_out", "logits", "loss", "gra
 def locate_nonfinite(loss_fn, cfg, params, batch) -> jax.Array:
   """``[layer, tensor]`` of the first non-finite value in the order the step computes them
   (docs/interfaces.md, "Metrics records"); ``tensor`` indexes :data:`NONFINITE_TENSORS`, -1 for
-  none (``layer``: -1 for none or not per layer)."""
+  none (``layer``: -1 for none or not per layer). Re-runs forward and backward with the
+  per-layer stats: what a step without diagnostics needs (a diagnostics step has them)."""
   b, t = batch["inputs"].shape
   probes = zero_probes(cfg.model, b, t, squares=True)
   (_, (loss, _, aux)), (grads, (sq_layers, _)) = jax.value_and_grad(
     loss_fn, argnums=(0, 1), has_aux=True
   )(params, probes, batch)
+  return nonfinite_where(aux, sq_layers, loss, grads)
+
+
+def nonfinite_where(aux, sq_layers, loss, grads) -> jax.Array:
+  """:func:`locate_nonfinite` from a pass's stats: ``aux`` (the model's, with stats),
+  ``sq_layers`` (the squared-gradient probes of the layers), the loss and the gradients."""
   s = aux["stats"]
   fwd = jnp.stack([s["rms_in"], s["branch_rms"], s["rms_out"]], axis=1)  # [2L, 3]
   L2 = fwd.shape[0]
@@ -120,7 +127,9 @@ def make_train_step(model, tx, schedule, cfg, locate: bool = True):
       if "blocks" in grads["params"]:  # update-to-parameter ratio per block
         blocks = lambda tree: dg.tree_layer_norms(tree["params"]["blocks"])
         metrics["update_ratio"] = blocks(updates) / blocks(state.params)
-    if locate and cfg.train.diag_every:  # nonfinite_at, computed only at a non-finite step
+    if diag:  # located from this pass's own stats: no second pass
+      metrics["nonfinite_at"] = jnp.where(finite, -1, nonfinite_where(aux, g_probe[0], loss, grads))
+    elif locate and cfg.train.diag_every:  # a re-run with the stats, only at a non-finite step
       where = lambda: locate_nonfinite(loss_fn, cfg, state.params, batch)
       metrics["nonfinite_at"] = jax.lax.cond(finite, lambda: jnp.full(2, -1, jnp.int32), where)
     return new, metrics
