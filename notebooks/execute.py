@@ -49,7 +49,10 @@ def main(argv=None) -> int:
     print(f"sweep failed (exit {code}); notebooks not executed", file=sys.stderr)
     return code
   print(f"sweep: {time.perf_counter() - t0:.0f}s")
-  os.environ.update(MHC_SWEEP_DIR=str(out), MHC_RUN_DIR=str(deepest_mhc_run(out)))
+  # relative to the notebooks (the kernels' working directory): the committed outputs then
+  # print nothing of the machine that executed them
+  rel = lambda p: os.path.relpath(p, HERE)
+  os.environ.update(MHC_SWEEP_DIR=rel(out), MHC_RUN_DIR=rel(deepest_mhc_run(out)))
   for name in NOTEBOOKS:
     path = HERE / f"{name}.ipynb"
     nb = nbformat.read(path, as_version=4)

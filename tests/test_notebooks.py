@@ -6,6 +6,7 @@ the notebooks find their data through MHC_SWEEP_DIR / MHC_RUN_DIR.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -16,7 +17,8 @@ nbclient = pytest.importorskip("nbclient")
 
 from test_sweep import tiny_sweep  # noqa: E402,F401  (the shared session fixture)
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def test_there_are_three_notebooks():
@@ -71,3 +73,6 @@ def test_committed_notebooks_carry_their_outputs(path):
   assert not [o for o in outputs if o.get("output_type") == "error"]
   assert sum("image/png" in o.get("data", {}) for o in outputs) >= 2
   assert nb.cells[0].cell_type == "markdown" and "MHC_" in nb.cells[0].source
+  # paths printed relative to the notebook: nothing of the machine that executed them
+  text = json.dumps(outputs)
+  assert str(ROOT) not in text and "/work/" not in text and "/home/" not in text
