@@ -59,12 +59,12 @@ def test_paired_rows_pair_by_seed_and_holm_is_monotone():
 
 @pytest.mark.parametrize("folder", ["lr_curves/pilot"])
 def test_lr_tables_recompute_from_runs_csv(folder, tmp_path):
-  """lr_sensitivity.csv and paired_best_lr.csv, recomputed from the committed runs.csv by the
-  study's analysis (the figures are drawn from the same rows)."""
+  """lr_sensitivity.csv, paired_best_lr.csv and mechanism.csv, recomputed from the committed
+  runs.csv by the study's analysis (the figures are drawn from the same rows)."""
   here = STUDIES / folder
   mod = _analysis("lr_curves")
   assert mod.main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
-  for name in ("lr_sensitivity.csv", "paired_best_lr.csv"):
+  for name in ("lr_sensitivity.csv", "paired_best_lr.csv", "mechanism.csv"):
     pd.testing.assert_frame_equal(
       pd.read_csv(tmp_path / name), pd.read_csv(here / name), check_dtype=False, rtol=1e-9
     )

@@ -13,6 +13,9 @@ Writes into ``--out`` (default: beside runs.csv, or docs/studies/lr_curves):
   the largest stable lr and the first unstable one.
 - ``paired_best_lr.csv``: each pair of arms at their own best lr, per depth, paired by seed
   (``mhc_jax.sweep.stats.paired_stats`` on eval_loss).
+- ``mechanism.csv``: per arm and depth at the arm's best lr, whether the mixing is used: the
+  final ``H_res`` diagonal and its shift from step 0 (mHC arms), the per-token composite gain
+  (geometric mean, log-scale interval) and the stream spread after the last layer.
 - ``lr_curves.png`` (held-out loss against lr, a panel per arm, a line per depth, bands over
   seeds) and ``stable_lr.png`` (the largest stable lr and the best lr as arm x depth heatmaps).
 """
@@ -27,7 +30,16 @@ import pandas as pd
 from mhc_jax.sweep import lrmap, plots, report, stats
 
 HERE = Path(__file__).resolve().parent
-ARMS = ["residual", "residual_qk", "hc", "hc_qk", "mhc", "mhc_identity"]
+ARMS = ["residual", "residual_qk", "hc", "hc_qk", "mhc", "mhc_uniform", "mhc_identity"]
+
+
+MECHANISM = ["h_res_diag_mean", "h_res_shift_mean", lrmap.GAIN, "stream_spread_last"]
+
+
+def mechanism(runs: pd.DataFrame) -> pd.DataFrame:
+  """Is the mixing used? The :data:`MECHANISM` columns at each arm's own best lr, per depth."""
+  best = lrmap.at_best_lr(runs, lrmap.BY)
+  return stats.group_stats(best, lrmap.BY, MECHANISM, log_metrics=[lrmap.GAIN])
 
 
 def tables(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -55,6 +67,7 @@ def main(argv=None) -> int:
   runs.to_csv(out / "runs.csv", index=False)
   lr_tab.to_csv(out / "lr_sensitivity.csv", index=False)
   paired.to_csv(out / "paired_best_lr.csv", index=False)
+  mechanism(runs).to_csv(out / "mechanism.csv", index=False)
   plots.lr_curves(runs, out / "lr_curves.png")
   cols, logs = ["largest_stable_lr", "best_lr"], ["largest_stable_lr", "best_lr"]
   plots.heatmaps(lr_tab, out / "stable_lr.png", x="depth", y="arm", values=cols, log=logs)
