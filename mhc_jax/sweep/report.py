@@ -247,6 +247,14 @@ def _cell(v: Any) -> Any:
   return json.dumps(v) if isinstance(v, (list, dict, tuple)) else v
 
 
+def study_runs(source) -> pd.DataFrame:
+  """A stability study's runs (``lrmap``'s rows): its committed runs.csv (to recompute from),
+  or :func:`lrmap.runs_table` of a sweep directory's :func:`summary_table`."""
+  if str(source).endswith(".csv"):
+    return pd.read_csv(source)
+  return lrmap.runs_table(summary_table(source))
+
+
 def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:
   """One row per run: ``run``, the sweep axes, the roles from config.yaml, the :data:`COLUMN_DOCS`
   columns (docs/sweeps.md); ``attrs``: axes, id_columns, run_dirs, sweep_dir, not_logged."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-import pandas as pd
-
 from mhc_jax.sweep import lrmap, plots, report, stats
 
 HERE = Path(__file__).resolve().parent
@@ -29,10 +27,8 @@ def main(argv=None) -> int:
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   src = Path(args.source)
-  if src.suffix == ".csv":
-    runs, out = pd.read_csv(src), Path(args.out or src.parent)
-  else:
-    runs, out = lrmap.runs_table(report.summary_table(src)), Path(args.out or HERE)
+  runs = report.study_runs(src)
+  out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
   out.mkdir(parents=True, exist_ok=True)
   phase = lrmap.phase_table(runs)
   runs.to_csv(out / "runs.csv", index=False)
