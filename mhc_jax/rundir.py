@@ -58,6 +58,10 @@ def checkpoint_steps(run_dir) -> set[int]:
   return {int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()}
 
 
+#: summary.json status -> the sweep's status of the run (anything else: not finished)
+SWEEP_STATUS = {"done": "done", "diverged": "done", "halted": "failed", "failed": "failed"}
+
+
 def read_summary(run_dir) -> dict:
   """``summary.json`` as a dict ({} when missing or unreadable)."""
   s = storage.read_json(storage.path(run_dir) / "summary.json", {})

@@ -113,6 +113,24 @@ def test_runs_table_names_arms_from_run_names():
   assert list(runs.columns) == ["arm", *summary.columns, "diverged"]
 
 
+def test_runs_table_keeps_finished_runs_only():
+  """A sweep looked at while it runs: a run still training (no eval_loss yet) is not a
+  divergence, so only ended runs enter the map; a failed one (halted by the non-finite policy)
+  is one."""
+  summary = pd.DataFrame(
+    dict(
+      run=[f"arm=hc,lr={lr},seed=0" for lr in (0.01, 0.1, 1.0, 3.0)],
+      status=["done", "running", "failed", "pending"],
+      lr=[0.01, 0.1, 1.0, 3.0],
+      seed=0,
+      loss_init=5.0,
+      eval_loss=[2.0, nan, nan, nan],
+    )
+  )
+  runs = lrmap.runs_table(summary)
+  assert list(runs["status"]) == ["done", "failed"] and list(runs["diverged"]) == [False, True]
+
+
 def test_map_figures_draw_and_skip(tmp_path):
   runs = PLANTED.assign(diverged=lrmap.diverged(PLANTED))
   assert plots.lr_curves(runs, tmp_path / "c.png").endswith("c.png")

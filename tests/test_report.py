@@ -1077,3 +1077,21 @@ def test_finding_says_who_diverged_first():
   assert text.startswith("hc diverged in 3 of 6 runs (depth 8) while residual never did"), text
   both = {k: (nan if k[1] == 8 else v[0], *v[1:]) for k, v in spec.items()}
   assert "diverged" not in finding(_table(_rows(both, seeds=(0, 1, 2))))
+
+
+def test_a_parallel_sweeps_finished_runs_read_as_done_while_it_runs(tmp_path):
+  """A --parallel sweep writes "running" for every run it submits and refreshes the manifest
+  only when all are collected; a run whose summary.json says it finished is read as finished
+  (the report and the stability maps look at a sweep while it runs), one still training as
+  running."""
+  root = make_sweep(tmp_path / "s", mixers=("hc",), depths=(2,), lrs=None, pending=False)
+  manifest = json.loads((root / "manifest.json").read_text())
+  (name,) = manifest["runs"]
+  manifest["runs"][name]["status"] = "running"
+  manifest["runs"]["training"] = {
+    "status": "running", "overrides": {"model.mixer": "hc", "model.depth": 4}, "dir": "runs/t"
+  }  # fmt: skip
+  (root / "manifest.json").write_text(json.dumps(manifest))
+  (root / "runs" / "t").mkdir()
+  status = summary_table(root).set_index("run")["status"]
+  assert status[name] == "done" and status["training"] == "running"

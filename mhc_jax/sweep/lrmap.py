@@ -30,9 +30,17 @@ def diverged(runs: pd.DataFrame, endpoint: str = ENDPOINT) -> pd.Series:
     return pd.Series(~np.isfinite(y) | (y >= DIVERGED_FRACTION * init), index=runs.index)
 
 
+#: The runs a map reads: those that ended (a failed run, halted by the non-finite policy or
+#: crashed, has no endpoint and counts as diverged); a run still training or pending is not a
+#: point of the map.
+ENDED = ("done", "failed")
+
+
 def runs_table(summary: pd.DataFrame) -> pd.DataFrame:
-  """runs.csv from a report's summary table: ``arm`` (the run name's ``arm=`` part, else the
-  mixer) first, every summary column, then ``diverged``."""
+  """runs.csv from a report's summary table: the :data:`ENDED` runs, ``arm`` (the run name's
+  ``arm=`` part, else the mixer) first, every summary column, then ``diverged``."""
+  if "status" in summary:
+    summary = summary[summary["status"].isin(ENDED)]
   arm = summary["run"].str.extract(r"(?:^|,)arm=([^,]+)", expand=False)
   d = summary.drop(columns="arm", errors="ignore").assign(diverged=diverged(summary))
   return d.assign(arm=arm.fillna(summary.get("mixer", summary["run"])))[["arm", *d.columns]]

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from mhc_jax import logs, metrics, storage
+from mhc_jax import logs, metrics, rundir, storage
 from mhc_jax.errors import UsageError
 from mhc_jax.logs import flatten_dict, load_events, load_run, read_jsonl
 from mhc_jax.spikes import lr_sensitivity
@@ -39,7 +39,8 @@ READS_OLD_LOGS = "mhc_jax 0.1.0 at commit 3829cbd (git checkout 3829cbd)"
 #: The definitions of the columns not read from metrics.jsonl through the registry.
 _OTHER_DOCS = {
   "status": "the manifest's status (done | failed | running | pending); summary.json's where the "
-  "manifest has none",
+  "manifest has none or says running while summary.json says the run ended (a --parallel sweep "
+  "refreshes its manifest when every job is collected)",
   "steps": "last logged step in metrics.jsonl (0 when nothing is logged)",
   "spike_count": "events of kind spike/* in events.jsonl (a step where loss and grad norm both "
   "spike counts twice; mhc_jax/spikes.py); NA for a run with no metrics",
@@ -270,7 +271,12 @@ def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:
   for name, info in runs.items():
     row, missing = _summarize(dirs[name])
     not_logged |= {name: missing} if missing else {}
-    row["status"] = info.get("status") or row["status"] or "unknown"
+    # a --parallel sweep refreshes the manifest only when it has collected every job: a run
+    # whose summary.json says it ended is read as ended while the manifest still says running
+    status = info.get("status")
+    if status in ("running", "pending"):
+      status = rundir.SWEEP_STATUS.get(row["status"], status)
+    row["status"] = status or row["status"] or "unknown"
     ov, cfg = info.get("overrides") or {}, cfgs[name]
     ids = {c: _cell(ov.get(k, cfg.get(k))) for k, c in axes.items()}
     records.append(

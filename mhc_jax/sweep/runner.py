@@ -29,8 +29,7 @@ from mhc_jax.errors import (
 from mhc_jax.sweep import grid, options as how, posteval
 from mhc_jax.train import dist
 
-# summary.json status -> the sweep's status of the run (anything else: not finished)
-SWEEP_STATUS = {"done": "done", "diverged": "done", "halted": "failed", "failed": "failed"}
+SWEEP_STATUS = rundir.SWEEP_STATUS
 
 
 def _say(msg: str) -> None:
