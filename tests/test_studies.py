@@ -57,7 +57,7 @@ def test_paired_rows_pair_by_seed_and_holm_is_monotone():
   assert (tab.p_holm >= tab.p).all()
 
 
-@pytest.mark.parametrize("folder", ["lr_curves/pilot"])
+@pytest.mark.parametrize("folder", ["lr_curves/pilot", "lr_curves"])
 def test_lr_tables_recompute_from_runs_csv(folder, tmp_path):
   """lr_sensitivity.csv, paired_best_lr.csv and mechanism.csv, recomputed from the committed
   runs.csv by the study's analysis (the figures are drawn from the same rows)."""
