@@ -69,6 +69,11 @@ DEFAULT_MIXERS = {
 ATTENTION_IMPLS = ("materialized", "xla", "jax_xla", "cudnn")
 
 
+def sig(x: float, figures: int = 3) -> float:
+  """``x`` to ``figures`` significant figures (a rate of a toy step is ~1e-4: decimals drop it)."""
+  return float(f"{x:.{figures}g}")
+
+
 def attention_fn(impl: str):
   """Causal attention ``[B, T, H, D] -> [B, T, H, D]`` as ``model.attention: impl`` computes
   it (mhc_jax/model/layers.py); ``jax_xla`` is ``jax.nn.dot_product_attention``'s own XLA form
@@ -114,7 +119,7 @@ def attention_rows(
   flops = 3 * 4 * b * h * t * t * d / 2
   for impl, ts in round_robin(calls, steps, warmup).items():
     med = statistics.median(ts)
-    rows[impl] |= {"fwd_bwd_ms": round(med * 1e3, 3), "tflop_per_s": round(flops / med / 1e12, 3)}
+    rows[impl] |= {"fwd_bwd_ms": round(med * 1e3, 3), "tflop_per_s": sig(flops / med / 1e12)}
   return [rows[i] for i in impls]
 
 
@@ -180,7 +185,7 @@ def prepare_row(base_overrides, mixer: str, variant: str) -> dict:
     "cfg": cfg,
     "call": call,
     "compile_s": round(compile_s, 2),
-    "xla_gflop": round(float(xla.get("flops", float("nan"))) / 1e9, 2),
+    "xla_gflop": sig(float(xla.get("flops", float("nan"))) / 1e9),
   }
 
 
@@ -237,15 +242,13 @@ def interleave(
         "compile_s": r["compile_s"],
         "step_s": round(med, 4),
         "tokens_per_s": round(b * t / med, 1),
-        "gflop_per_s": round(flops / med / 1e9, 2),
-        "model_gflop": round(flops / 1e9, 2),
+        "gflop_per_s": sig(flops / med / 1e9),
+        "model_gflop": sig(flops / 1e9),
         "xla_gflop": r["xla_gflop"],
         "page_faults": int(statistics.median(f for f, _ in fl)),
         "kernel_s": round(statistics.median(k for _, k in fl), 3),
         "matmul_gflop_per_s": round(statistics.median(rates), 1),
-        "of_matmul_rate": round(
-          statistics.median(flops / s / 1e9 / q for s, q in zip(ts, rates)), 3
-        ),
+        "of_matmul_rate": sig(statistics.median(flops / s / 1e9 / q for s, q in zip(ts, rates))),
         "times": [round(s, 4) for s in ts],
       }
     )

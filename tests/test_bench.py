@@ -276,6 +276,13 @@ def test_dots_alone_sums_count_times_time_per_round():
   assert net == [3 * max(t - s, 0.0) for t, s in zip(times[d], times["dispatch"])]
 
 
+def test_step_bench_rates_keep_three_significant_figures():
+  """A toy step's rate is a small fraction of the matmul's (about 1e-4 on a loaded CPU): rounded
+  to decimals it read 0.0 and failed the table's check on a fresh clone; figures keep it."""
+  assert step_bench.sig(0.000412345) == 0.000412 and step_bench.sig(1234.5) == 1230.0
+  assert step_bench.sig(0.0) == 0.0 and step_bench.sig(float("nan")) != step_bench.sig(0.0)
+
+
 def test_step_bench_attention_side_by_side_and_table(tmp_path, capsys):
   """The accelerator check's step_bench options at toy size: a bf16 reference matmul, attention's
   implementations side by side (cuDNN reported as not run on the CPU), the markdown table with
