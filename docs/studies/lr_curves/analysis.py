@@ -17,7 +17,8 @@ Writes into ``--out`` (default: beside runs.csv, or docs/studies/lr_curves):
   final ``H_res`` diagonal and its shift from step 0 (mHC arms), the per-token composite gain
   (geometric mean, log-scale interval) and the stream spread after the last layer.
 - ``lr_curves.png`` (held-out loss against lr, a panel per arm, a line per depth, bands over
-  seeds) and ``stable_lr.png`` (the largest stable lr and the best lr as arm x depth heatmaps).
+  seeds) and ``stable_lr.png`` (the largest stable lr, the first unstable lr, grey where no seed
+  diverged on the grid, and the best lr as arm x depth heatmaps).
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ def main(argv=None) -> int:
   out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
   out.mkdir(parents=True, exist_ok=True)
   lr_tab, paired = tables(runs)
-  runs.to_csv(out / "runs.csv", index=False)
+  if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
+    runs.to_csv(out / "runs.csv", index=False)
   lr_tab.to_csv(out / "lr_sensitivity.csv", index=False)
   paired.to_csv(out / "paired_best_lr.csv", index=False)
   mechanism(runs).to_csv(out / "mechanism.csv", index=False)
   plots.lr_curves(runs, out / "lr_curves.png")
-  cols, logs = ["largest_stable_lr", "best_lr"], ["largest_stable_lr", "best_lr"]
+  # first_unstable_lr beside the largest stable one: a grey NaN cell says no seed diverged on
+  # the grid, so a largest stable lr at the grid's top is a lower bound on the edge
+  cols = logs = ["largest_stable_lr", "first_unstable_lr", "best_lr"]
   plots.heatmaps(lr_tab, out / "stable_lr.png", x="depth", y="arm", values=cols, log=logs)
   print(report.md_table(lr_tab.round(4)))
   return 0

@@ -31,7 +31,8 @@ def main(argv=None) -> int:
   out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
   out.mkdir(parents=True, exist_ok=True)
   phase = lrmap.phase_table(runs)
-  runs.to_csv(out / "runs.csv", index=False)
+  if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
+    runs.to_csv(out / "runs.csv", index=False)
   phase.to_csv(out / "phase.csv", index=False)
   plots.heatmaps(
     phase, out / "phase_map.png", x="width", y="depth", values=SHOWN, panel="arm", log=SHOWN[1:2]
