@@ -110,7 +110,7 @@ def test_runs_table_names_arms_from_run_names():
   )
   runs = lrmap.runs_table(summary)
   assert list(runs["arm"]) == ["hc_qk", "mhc"] and list(runs["diverged"]) == [False, True]
-  assert list(runs.columns) == ["arm", *summary.columns, "diverged"]
+  assert list(runs.columns) == ["arm", *summary.columns, "diverged", "failure"]
 
 
 def test_runs_table_keeps_finished_runs_only():
@@ -132,8 +132,8 @@ def test_runs_table_keeps_finished_runs_only():
 
 
 def test_map_figures_draw_and_skip(tmp_path):
-  runs = PLANTED.assign(diverged=lrmap.diverged(PLANTED))
-  assert plots.lr_curves(runs, tmp_path / "c.png").endswith("c.png")
+  runs = PLANTED.assign(diverged=lrmap.diverged(PLANTED), baseline=3.0)
+  assert plots.lr_curves(runs.assign(failure=lrmap.failure(runs)), tmp_path / "c.png")
   tab = lrmap.lr_table(PLANTED)
   out = plots.heatmaps(tab, tmp_path / "h.png", x="depth", y="arm", values=["largest_stable_lr"])
   assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG" and out
@@ -190,3 +190,141 @@ def test_phase_map_analysis_from_a_runs_csv(tmp_path):
   phase = pd.read_csv(tmp_path / "phase.csv")
   assert len(phase) == 8 and phase["frac_unstable"].sum() == 0.5
   assert (tmp_path / "phase_map.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _floor(ys, baseline=3.2):
+  """Runs at depth 4 with initial loss 5.5 and the trivial predictor's loss ``baseline``."""
+  return pd.DataFrame(dict(eval_loss=ys, loss_init=5.5, baseline=baseline))
+
+
+def test_failure_kinds_by_hand():
+  """diverged: non-finite or >= 0.9 x the initial loss (4.95 here); no_training: finite, below
+  that, but not at least NO_TRAINING_MARGIN (0.1) below the baseline (3.1 here); else none."""
+  runs = _floor([2.5, 3.05, 3.15, 3.3, 4.9, 4.95, 5.6, nan])
+  want = ["none", "none", "no_training", "no_training", "no_training", "diverged", "diverged"]
+  assert list(lrmap.failure(runs)) == [*want, "diverged"]
+  # without a baseline (a task that reports none) only the divergence rule applies
+  assert list(lrmap.failure(runs.drop(columns="baseline")))[:5] == ["none"] * 5
+  assert list(lrmap.failure(runs.assign(baseline=nan)))[:5] == ["none"] * 5
+
+
+def test_working_edge_counts_runs_that_learned_nothing():
+  """An arm whose high lrs end at the baseline: the old rule (diverged only) calls every lr
+  stable; the floor puts its edge where it stops learning and names the failure."""
+  cells = {
+    ("a", 1e-2): [2.5, 2.6, 2.55],
+    ("a", 1e-1): [2.7, 2.8, 2.75],
+    ("a", 1.0): [3.2, 3.25, 3.0],  # two seeds at the baseline: no_training
+    ("h", 1e-2): [2.5, 2.6, 2.55],
+    ("h", 1e-1): [3.19, 5.4, 2.9],  # one stuck, one back at the uniform guess
+    ("p", 1e-2): [3.2, 3.3, 3.25],  # never learned
+    ("p", 1e-1): [3.3, 3.3, 3.3],
+  }
+  runs = _frame(cells).assign(baseline=3.2, loss_init=5.5)
+  tab = lrmap.lr_table(runs).set_index("arm")
+  assert tab.loc["a", "largest_stable_lr"] == 1.0 and math.isnan(tab.loc["a", "first_unstable_lr"])
+  assert tab.loc["a", "largest_working_lr"] == 1e-1 and tab.loc["a", "first_failing_lr"] == 1.0
+  assert tab.loc["a", "first_failure"] == "no_training"
+  assert tab.loc["h", "largest_working_lr"] == 1e-2 and tab.loc["h", "first_failure"] == "both"
+  assert tab.loc["h", "largest_stable_lr"] == 1e-2  # 5.4 >= 0.9 x 5.5: diverged as before
+  p = tab.loc["p"]  # its best lr failed: no working lr on the grid
+  assert math.isnan(p["largest_working_lr"]) and p["first_failing_lr"] == 1e-2
+  assert p["first_failure"] == "no_training" and p["largest_stable_lr"] == 1e-1
+  assert list(tab["n_no_training"]) == [2, 1, 6] and list(tab["n_diverged"]) == [0, 1, 0]
+
+
+def test_phase_table_separates_the_failure_kinds():
+  runs = _floor([2.5, 3.15, nan, 2.6]).assign(arm="x", depth=[4, 4, 4, 8], width=32, seed=0)
+  runs = runs.assign(seed=[0, 1, 2, 0], spike_count=0, **{lrmap.GAIN: 1.0})
+  d4 = lrmap.phase_table(runs).set_index("depth").loc[4]
+  assert (d4["frac_diverged"], d4["frac_no_training"], d4["frac_failed"]) == pytest.approx(
+    (1 / 3, 1 / 3, 2 / 3)
+  )
+
+
+def test_study_runs_reads_each_runs_task_baseline(tmp_path):
+  """A text sweep's runs get the byte-frequency loss of their own seed's held-out batches, from
+  their config.yaml; a task that reports no baseline (a wind tunnel) gets NaN: no floor."""
+  import yaml
+
+  from mhc_jax.data import make_source
+
+  corpus = tmp_path / "c.txt"
+  corpus.write_bytes(np.random.default_rng(0).choice([97, 98, 99, 32], 5000).astype(np.uint8))
+  root = make_sweep(tmp_path / "s", mixers=("hc",), depths=(2,), seeds=(0, 1), wind_tunnel=False)
+  data = dict(task="text", seq_len=16, batch_size=4, eval_batches=2, options={"path": str(corpus)})
+  for d in (root / "runs").iterdir():
+    if (d / "config.yaml").exists():
+      c = yaml.safe_load((d / "config.yaml").read_text()) | {"data": data}
+      (d / "config.yaml").write_text(yaml.safe_dump(c))
+  runs = report.study_runs(root)
+  for seed in (0, 1):
+    want = make_source("text", seq_len=16, seed=seed, path=str(corpus)).baseline(4, 2)
+    assert np.allclose(runs.loc[runs["seed"] == seed, "baseline"], want)
+  assert runs["baseline"].nunique() == 2 and "failure" in runs
+  tunnel = report.study_runs(make_sweep(tmp_path / "w", mixers=("hc",), depths=(2,), seeds=(0,)))
+  assert tunnel["baseline"].isna().all()
+
+
+def test_heatmaps_share_one_colour_scale_per_quantity(tmp_path, monkeypatch):
+  """A panel of 1.00s beside one spanning 1e4-1e30: one log scale for the quantity across the
+  panels, so the constant panel is one colour; fractions on a fixed [0, 1] scale."""
+  tab = pd.DataFrame(
+    dict(
+      arm=["mhc"] * 4 + ["hc"] * 4,
+      width=[16, 32] * 4,
+      depth=[4, 4, 8, 8] * 2,
+      gain=[1.0] * 4 + [1e4, 1e8, 1e20, 1e30],
+      frac_failed=[0.0] * 4 + [0.0, 0.25, 0.5, 0.5],
+    )
+  )
+  figs = []
+  monkeypatch.setattr(plots, "_save", lambda fig, path, dpi: figs.append(fig) or str(path))
+  plots.heatmaps(
+    tab,
+    tmp_path / "p.png",
+    x="width",
+    y="depth",
+    values=["gain", "frac_failed"],
+    panel="arm",
+    log=["gain"],
+  )
+  (fig,) = figs
+  images = [ax.images[0] for ax in fig.axes if ax.images]
+  assert len(images) == 4
+  gain, frac = images[:2], images[2:]
+  assert {(im.norm.vmin, im.norm.vmax) for im in gain} == {(1.0, 1e30)}
+  assert {(im.norm.vmin, im.norm.vmax) for im in frac} == {(0.0, 1.0)}
+  constant = gain[0].get_array()  # mhc's panel: every cell maps to one colour
+  assert len({tuple(gain[0].to_rgba(v)) for v in constant.compressed()}) == 1
+  titles = [ax.get_title() for ax in fig.axes if ax.images]
+  assert all(len(t) <= 20 for t in titles), titles  # short titles: none run into the next
+  assert plots.heat_norm(np.array([2.0, 2.0]), log=True)(2.0) == pytest.approx(0.5)
+
+
+def test_edge_chart_marks_each_failure_kind(tmp_path, monkeypatch):
+  """One row per arm grouped by family, a panel per depth: the working range (best lr to the
+  largest working lr) and the first failing lr marked by its kind; then LR sensitivity."""
+  tab = pd.DataFrame(
+    dict(
+      arm=["a", "a", "b", "b"],
+      depth=[4, 8, 4, 8],
+      best_lr=[0.03, 0.03, 0.03, 0.1],
+      largest_working_lr=[1.0, 0.1, nan, 0.1],
+      first_failing_lr=[nan, 0.3, 0.03, 1.0],
+      first_failure=["", "diverged", "no_training", "both"],
+      lr_sensitivity=[0.4, 0.9, 0.5, 0.6],
+      lr_sensitivity_ci_lo=[0.3, 0.8, 0.4, 0.5],
+      lr_sensitivity_ci_hi=[0.5, 1.0, 0.6, 0.7],
+    )
+  )
+  figs = []
+  monkeypatch.setattr(plots, "_save", lambda fig, path, dpi: figs.append(fig) or str(path))
+  plots.edge_chart(tab, tmp_path / "e.png", families={"fam A": ["a"], "fam B": ["b"]})
+  (fig,) = figs
+  assert len(fig.axes) == 3  # depths 4, 8 and the LR sensitivity panel
+  labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+  assert labels == ["a", "b"] and "fam B" in [t.get_text() for t in fig.axes[0].texts]
+  kinds = {h.get_label() for h in fig.legends[0].legend_handles}
+  assert {"diverged", "did not train", "both", "above the grid"} <= kinds
+  assert plots.edge_chart(tab.iloc[:0], tmp_path / "none.png", families={}) is None

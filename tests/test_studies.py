@@ -93,3 +93,33 @@ def test_mhc_init_tables_recompute_from_runs_csv():
   assert set(paired["a"]) <= {"mhc_identity", "mhc_identity_a1"} and (paired["n_pairs"] >= 3).all()
   ident = runs[runs["arm"] == "mhc_identity"]
   assert (ident["h_res_diag_mean"] == 1).all() and (ident["h_res_shift_mean"] == 0).all()
+
+
+def test_phase_table_recomputes_from_runs_csv(tmp_path):
+  """phase.csv (failure fractions by kind, gains, losses per arm x width x depth) from the
+  committed runs.csv; the committed failure kinds are the rule's on the stored losses."""
+  from mhc_jax.sweep import lrmap
+
+  here = STUDIES / "phase_map"
+  assert _analysis("phase_map").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
+  pd.testing.assert_frame_equal(
+    pd.read_csv(tmp_path / "phase.csv"), pd.read_csv(here / "phase.csv"), check_dtype=False
+  )
+  runs = pd.read_csv(here / "runs.csv")
+  assert len(runs) == 192 and runs["baseline"].between(3.0, 3.3).all()
+  assert list(runs["failure"]) == list(lrmap.failure(runs))
+  hc32 = runs[(runs.arm == "hc") & (runs.depth == 32)]
+  assert (hc32["failure"] != "none").all()  # the endpoint: every hc run at depth 32 failed
+  assert (runs[runs.arm != "hc"]["failure"] == "none").all()
+
+
+def test_lr_curves_failure_kinds_are_the_rules():
+  """The committed runs.csv's failure column is lrmap.failure of its stored losses and
+  baselines (the byte-frequency loss per seed: 3.27, 3.26, 3.18 nats for seeds 0-2)."""
+  from mhc_jax.sweep import lrmap
+
+  runs = pd.read_csv(STUDIES / "lr_curves" / "runs.csv")
+  assert list(runs["failure"]) == list(lrmap.failure(runs))
+  per_seed = runs.groupby("seed")["baseline"].agg(["min", "max"])
+  assert (per_seed["min"] == per_seed["max"]).all()
+  assert per_seed["min"].round(2).tolist() == [3.27, 3.26, 3.18]

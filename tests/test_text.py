@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mhc_jax.data import make_source
-from mhc_jax.data.text import stdlib_dir
+from mhc_jax.data.text import ByteWindows, stdlib_dir
 
 SEQ = 16
 
@@ -159,3 +159,21 @@ def test_tfds_missing_data_and_bad_options(tmp_path):
     make_source("tfds", seq_len=SEQ, seed=0, feature="")
   with pytest.raises(ValueError, match="colour"):
     make_source("tfds", seq_len=SEQ, seed=0, colour="red")
+
+
+def test_baseline_is_the_unigram_cross_entropy_of_the_scored_batches():
+  """The trivial predictor's held-out loss, by hand: add-one training-split byte frequencies
+  scored on exactly the validation windows the run's evaluation reads (batches 0..n-1)."""
+  rng = np.random.default_rng(0)
+  corpus = rng.choice(np.frombuffer(b"aab c", np.uint8), size=4000).astype(np.uint8)
+  src = ByteWindows(corpus, seq_len=8, seed=3, val_fraction=0.25)
+  counts = np.bincount(corpus[:3000], minlength=256) + 1.0
+  logp = np.log(counts / counts.sum())
+  t = np.concatenate([src.batch(i, 4, "validation")["targets"].ravel() for i in range(3)])
+  assert src.baseline(4, 3) == pytest.approx(-logp[t].mean(), rel=1e-12)
+  # 4 distinct bytes at frequencies ~(2, 1, 1, 1)/5 ('a' twice): near their entropy, far below
+  # the uniform guess over 256 bytes
+  h = -(0.4 * np.log(0.4) + 3 * 0.2 * np.log(0.2))
+  assert abs(src.baseline(4, 3) - h) < 0.1 and src.baseline(4, 3) < np.log(256) - 3
+  other = ByteWindows(corpus, seq_len=8, seed=4, val_fraction=0.25)  # other windows, other value
+  assert other.baseline(4, 3) != src.baseline(4, 3)

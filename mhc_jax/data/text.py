@@ -139,6 +139,16 @@ class ByteWindows:
       win[sel] = self._perm(split, int(e))[idx[sel]]
     return win * self.seq_len
 
+  def baseline(self, batch_size: int, batches: int) -> float:
+    """The held-out loss (nats per byte) of the context-free byte-frequency predictor:
+    training-split counts, add-one smoothed, scored on validation batches ``0 .. batches-1``
+    (the batches a run's evaluation reads). A run not clearly below it has learned no context
+    (the failure rule: docs/sweeps.md, "Stability maps")."""
+    counts = np.bincount(self._data["train"], minlength=self.vocab_size) + 1.0
+    logp = np.log(counts / counts.sum())
+    val = [self.batch(i, batch_size, "validation")["targets"] for i in range(batches)]
+    return float(-logp[np.concatenate(val).ravel()].mean())
+
   def batch(self, step: int, batch_size: int, split: str = "train") -> dict[str, np.ndarray]:
     starts = self.window_starts(step, batch_size, split)
     w = self._data[split][starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)

@@ -1,6 +1,7 @@
 """Stability maps from per-run rows (``runs``: a study's runs.csv, with ``arm``, ``lr``,
-``seed``, ``loss_init`` and the endpoint): each arm's best lr, Wortsman et al.'s LR sensitivity,
-the largest stable lr, width x depth phase maps. The rules: docs/sweeps.md, "Stability maps"."""
+``seed``, ``loss_init``, the endpoint and the task's ``baseline``): each arm's best lr, Wortsman
+et al.'s LR sensitivity, the largest working lr, width x depth phase maps. The rules:
+docs/sweeps.md, "Stability maps"."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ ENDPOINT = "eval_loss"
 #: A run diverged when its endpoint is non-finite or at least this fraction of its initial loss
 #: (it came back up, or never left the uniform guess).
 DIVERGED_FRACTION = 0.9
+#: A run that did not train: finite and below the divergence line, but not at least this many
+#: nats below the task's trivial predictor (``baseline``: for text, the byte-frequency loss on the
+#: same held-out batches, ``ByteWindows.baseline``). Why 0.1: docs/sweeps.md, "Stability maps".
+NO_TRAINING_MARGIN = 0.1
 #: The best-lr selection rule, in words (written into the report).
 RULE = "the lr with the lowest seed-mean loss among the lrs where every seed's is finite"
 BY = ["arm", "depth", "width"]
@@ -30,6 +35,17 @@ def diverged(runs: pd.DataFrame, endpoint: str = ENDPOINT) -> pd.Series:
     return pd.Series(~np.isfinite(y) | (y >= DIVERGED_FRACTION * init), index=runs.index)
 
 
+def failure(runs: pd.DataFrame, endpoint: str = ENDPOINT) -> pd.Series:
+  """Per run: ``diverged`` (:func:`diverged`), else ``no_training`` (endpoint above ``baseline``
+  minus :data:`NO_TRAINING_MARGIN`; never where the baseline is missing), else ``none``."""
+  y = _floats(runs[endpoint])
+  base = _floats(runs["baseline"]) if "baseline" in runs else np.full(len(runs), np.nan)
+  with np.errstate(invalid="ignore"):
+    stuck = y > base - NO_TRAINING_MARGIN
+  kind = np.where(diverged(runs, endpoint), "diverged", np.where(stuck, "no_training", "none"))
+  return pd.Series(kind, index=runs.index)
+
+
 #: The runs a map reads: those that ended (a failed run, halted by the non-finite policy or
 #: crashed, has no endpoint and counts as diverged); a run still training or pending is not a
 #: point of the map.
@@ -38,11 +54,12 @@ ENDED = ("done", "failed")
 
 def runs_table(summary: pd.DataFrame) -> pd.DataFrame:
   """runs.csv from a report's summary table: the :data:`ENDED` runs, ``arm`` (the run name's
-  ``arm=`` part, else the mixer) first, every summary column, then ``diverged``."""
+  ``arm=`` part, else the mixer) first, every summary column, then ``diverged`` and ``failure``."""
   if "status" in summary:
     summary = summary[summary["status"].isin(ENDED)]
   arm = summary["run"].str.extract(r"(?:^|,)arm=([^,]+)", expand=False)
-  d = summary.drop(columns="arm", errors="ignore").assign(diverged=diverged(summary))
+  d = summary.drop(columns="arm", errors="ignore")
+  d = d.assign(diverged=diverged(summary), failure=failure(summary))
   return d.assign(arm=arm.fillna(summary.get("mixer", summary["run"])))[["arm", *d.columns]]
 
 
@@ -70,34 +87,51 @@ def _stable(grid: np.ndarray, bad: np.ndarray, best: float) -> tuple[float, floa
   return float(top.max()) if top.size else math.nan, float(first.min()) if first.size else math.nan
 
 
+def _kind(kinds: set) -> str:
+  return "both" if {"diverged", "no_training"} <= kinds else (kinds - {"none"} or {""}).pop()
+
+
 def lr_table(runs: pd.DataFrame, by: list[str] = BY, endpoint: str = ENDPOINT) -> pd.DataFrame:
   """lr_sensitivity.csv per group of equal ``by``: the best lr, the endpoint there, Wortsman's LR
-  sensitivity per seed (mean and t interval over seeds), the largest stable lr (:func:`_stable`)."""
+  sensitivity per seed (mean and t interval over seeds), the largest working lr and the first
+  failing one with its kind (:func:`failure`; ``both``: diverged and no_training seeds), the
+  largest stable lr by divergence alone (the rule before issue 48), each by :func:`_stable`."""
   by = [c for c in by if c in runs.columns]
   rows = []
   for key, g in stats.split(runs, by):
-    g = g.assign(_lr=_floats(g["lr"]), _y=_floats(g[endpoint]), _bad=diverged(g, endpoint))
+    g = g.assign(_lr=_floats(g["lr"]), _y=_floats(g[endpoint]), _f=failure(g, endpoint))
+    g = g.assign(_bad=g["_f"] == "diverged")
     best = best_lr(g, endpoint)
     at, lo, hi, _ = stats.mean_ci(g.loc[g["_lr"] == best, "_y"])
     per_seed = [lr_sensitivity(list(s["_y"]), s["loss_init"].iloc[0]) for _, s in g.groupby("seed")]
     sens, s_lo, s_hi, n = stats.mean_ci(per_seed)
-    bad = g.groupby("_lr")["_bad"].any()
+    bad, failed = g.groupby("_lr")["_bad"].any(), g.groupby("_lr")["_f"].agg(set)
     stable, first = _stable(bad.index.to_numpy(), bad.to_numpy(), best)
+    failing = np.array([k != {"none"} for k in failed])
+    working, first_fail = _stable(failed.index.to_numpy(), failing, best)
     rows.append(
       {**dict(zip(by, key)), "n_seeds": n, "n_lr": len(bad), "best_lr": best}
       | {"loss_at_best": at, "loss_at_best_ci_lo": lo, "loss_at_best_ci_hi": hi}
       | {"lr_sensitivity": sens, "lr_sensitivity_ci_lo": s_lo, "lr_sensitivity_ci_hi": s_hi}
+      | {"largest_working_lr": working, "first_failing_lr": first_fail}
+      | {"first_failure": _kind(failed[first_fail]) if first_fail == first_fail else ""}
+      | {f"n_{k}": int((g["_f"] == k).sum()) for k in ("diverged", "no_training")}
       | {"largest_stable_lr": stable, "first_unstable_lr": first}
     )
   return pd.DataFrame(rows)
 
 
 def phase_table(runs: pd.DataFrame, by: list[str] = BY, endpoint: str = ENDPOINT) -> pd.DataFrame:
-  """Per group of equal ``by`` (one lr): the fractions of seeds that diverged, spiked (an event)
-  or either; the endpoint's mean and the composite gain's geometric mean, with t intervals."""
+  """Per group of equal ``by`` (one lr): the fractions of seeds that diverged, did not train,
+  failed (either: :func:`failure`), spiked (an event) or diverged or spiked; the endpoint's mean
+  and the composite gain's geometric mean, with t intervals."""
   by = [c for c in by if c in runs.columns]
-  d = runs.assign(_div=diverged(runs, endpoint), _spk=_floats(runs["spike_count"]) > 0)
+  kind = failure(runs, endpoint)
+  d = runs.assign(_div=kind == "diverged", _no=kind == "no_training", _fail=kind != "none")
+  d = d.assign(_spk=_floats(runs["spike_count"]) > 0)
   out = stats.group_stats(d, by, [endpoint, GAIN], log_metrics=[GAIN])
-  frac = d.assign(_any=d["_div"] | d["_spk"]).groupby(by, sort=False)[["_div", "_spk", "_any"]]
-  frac = frac.mean().set_axis(["frac_diverged", "frac_spiked", "frac_unstable"], axis=1)
+  cols = ["_div", "_no", "_fail", "_spk", "_any"]
+  frac = d.assign(_any=d["_div"] | d["_spk"]).groupby(by, sort=False)[cols].mean()
+  names = ["frac_diverged", "frac_no_training", "frac_failed", "frac_spiked", "frac_unstable"]
+  frac = frac.set_axis(names, axis=1)
   return out.merge(frac.reset_index(), on=by)

@@ -20,7 +20,7 @@ matplotlib.use("Agg", force=False)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
-from matplotlib.colors import LogNorm, to_rgb  # noqa: E402
+from matplotlib.colors import LogNorm, Normalize, to_rgb  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, NullLocator  # noqa: E402
@@ -705,7 +705,8 @@ _GRID = dict(squeeze=False, layout="constrained")
 def lr_curves(runs: pd.DataFrame, path, *, y: str = "eval_loss", dpi: int = 110) -> str | None:
   """Stability map: ``y`` against lr (log x), one panel per ``arm``, one line per depth (darker
   = deeper): the seed mean of min(y, loss_init) (non-finite -> loss_init, as the LR sensitivity
-  counts it) and its 95% t band; X where any seed diverged (``runs["diverged"]``)."""
+  counts it) and its 95% t band; X where any seed diverged (``runs["diverged"]``), an open
+  circle where one did not train (``runs["failure"]``), a dashed line at the task's baseline."""
   d = runs.assign(_lr=_num(runs["lr"]).to_numpy(), _y=_num(runs[y]).to_numpy())
   if not len(d := d[np.isfinite(d["_lr"])]):
     return None
@@ -724,6 +725,11 @@ def lr_curves(runs: pd.DataFrame, path, *, y: str = "eval_loss", dpi: int = 110)
       ax.fill_between(x, lo, hi, color=c, **_BAND)
       bad = g["diverged"].any().to_numpy()
       ax.plot(x[bad], mid[bad], color=c, **_DIV)
+      if "failure" in d:
+        stuck = g["failure"].agg(lambda f: (f == "no_training").any()).to_numpy(bool)
+        ax.plot(x[stuck], mid[stuck], "o", mfc="none", mec="#ff7f0e", ms=8, ls="")
+    if "baseline" in d and np.isfinite(base := _num(d["baseline"]).mean()):
+      ax.axhline(base, ls="--", lw=0.8, color="#ff7f0e", label="byte-frequency baseline")
     ax.set(xscale="log", title=str(arm), xlabel="peak learning rate")
     ax.set_ylabel(f"{y}, min(·, initial loss)") if ax.get_subplotspec().is_first_col() else None
     ax.grid(True, alpha=0.3)
@@ -731,26 +737,126 @@ def lr_curves(runs: pd.DataFrame, path, *, y: str = "eval_loss", dpi: int = 110)
   return _save(fig, path, dpi)
 
 
+def heat_norm(values: np.ndarray, *, log: bool = False, fraction: bool = False):
+  """One colour scale for a quantity over every panel it is drawn in: [0, 1] for a fraction, the
+  finite (positive, on the log scale) range otherwise; a constant quantity maps to mid-scale."""
+  if fraction:
+    return Normalize(0.0, 1.0)
+  v = np.asarray(values, float)
+  v = v[np.isfinite(v) & ((v > 0) if log else True)]
+  lo, hi = (v.min(), v.max()) if v.size else (1.0, 1.0)
+  if log:
+    return LogNorm(lo, hi) if lo < hi else LogNorm(lo / 10, lo * 10)
+  return Normalize(lo, hi) if lo < hi else Normalize(lo - 1, lo + 1)
+
+
 def heatmaps(tab, path, *, x, y, values, panel=None, log=(), dpi: int = 110) -> str | None:
   """Annotated heatmaps of ``tab``: a row of panels per column of ``values``, a panel per value of
-  ``panel``, cells ``y`` x ``x`` (log colour scale for the columns in ``log``; NaN grey)."""
+  ``panel``, cells ``y`` x ``x``; one colour scale per row (:func:`heat_norm`: log for the
+  columns in ``log``, [0, 1] for ``frac_*``) with its colour bar; NaN grey."""
   if not len(tab):
     return None
   keys = list(dict.fromkeys(tab[panel])) if panel else [None]
-  w, h = 0.9 * tab[x].nunique() * len(keys) + 2.5, (0.5 * tab[y].nunique() + 1.2) * len(values)
+  w, h = 0.9 * tab[x].nunique() * len(keys) + 3.5, (0.5 * tab[y].nunique() + 1.4) * len(values)
   fig, axes = plt.subplots(len(values), len(keys), figsize=(w, h), **_GRID)
+  cmap = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
   for i, col in enumerate(values):
+    norm = heat_norm(tab[col], log=col in log, fraction=col.startswith("frac_"))
     for j, key in enumerate(keys):
       sub = tab if key is None else tab[tab[panel] == key]
       m = sub.pivot_table(index=y, columns=x, values=col, aggfunc="first", sort=False, dropna=False)
       v, ax = m.to_numpy(dtype=float), axes[i, j]
-      ok = v[np.isfinite(v) & ((v > 0) if col in log else True)]
-      norm = LogNorm(ok.min(), ok.max()) if col in log and ok.size and ok.min() < ok.max() else None
-      cmap = plt.get_cmap("viridis").with_extremes(bad="#cccccc")
-      ax.imshow(np.ma.masked_invalid(v), cmap=cmap, norm=norm, aspect="auto")
-      for (r, c), val in np.ndenumerate(v):
-        ax.text(c, r, f"{val:.3g}", ha="center", va="center", fontsize=7, color="w")
+      im = ax.imshow(np.ma.masked_invalid(v), cmap=cmap, norm=norm, aspect="auto")
+      for (r, c), val in np.ndenumerate(v):  # dark text on the bright end of viridis
+        ink = "k" if np.isfinite(val) and norm(val) > 0.6 else "w"
+        ax.text(c, r, f"{val:.3g}", ha="center", va="center", fontsize=7, color=ink)
       ax.set_xticks(range(v.shape[1]), [_fmt(c) for c in m.columns])
       ax.set_yticks(range(v.shape[0]), [_fmt(r) for r in m.index])
-      ax.set(xlabel=x, ylabel=y, title=f"{col}" + (f" ({panel} {key})" if panel else ""))
+      ax.set(xlabel=x, ylabel=f"{col}\n{y}" if j == 0 else "")
+      ax.set_title(f"{panel} {key}" if panel and i == 0 else "", fontsize=9)
+    fig.colorbar(im, ax=list(axes[i]), shrink=0.9)
+  return _save(fig, path, dpi)
+
+
+#: How :func:`edge_chart` marks the first failing lr, by its kind (lrmap.failure).
+_FAIL_MARKS = {
+  "diverged": dict(marker="X", color="#d62728", label="diverged"),
+  "no_training": dict(marker="o", mfc="none", color="#ff7f0e", label="did not train"),
+  "both": dict(marker="P", color="#8c564b", label="both"),
+}
+
+
+def edge_chart(lr_tab: pd.DataFrame, path, *, families: dict, dpi: int = 110) -> str | None:
+  """The stability map of ``lr_tab`` (lrmap.lr_table): a panel per depth, a row per arm grouped
+  by ``families`` (name -> arms): a bar from the best lr (dot) to the largest working lr, the
+  first failing lr marked by its kind (an arrow where no lr on the grid failed); last panel, LR
+  sensitivity with its 95% interval, a colour per depth."""
+  if not len(lr_tab):
+    return None
+  arms = [a for fam in families.values() for a in fam if a in set(lr_tab["arm"])]
+  arms += [a for a in dict.fromkeys(lr_tab["arm"]) if a not in arms]
+  depths, row = sorted(lr_tab["depth"].unique()), {a: i for i, a in enumerate(arms)}
+  fig, axes = plt.subplots(
+    1,
+    len(depths) + 1,
+    figsize=(3 * len(depths) + 3.5, 0.32 * len(arms) + 1.6),
+    **_GRID,
+    sharey=True,
+  )
+  cols = ["best_lr", "largest_working_lr", "first_failing_lr"]
+  top = float(np.nanmax(lr_tab[cols].to_numpy(float)))
+  for ax, d in zip(axes[0], depths):
+    for r in lr_tab[lr_tab["depth"] == d].itertuples():
+      y = row[r.arm]
+      ax.plot(
+        [r.best_lr, r.largest_working_lr], [y, y], color="#1f77b4", lw=3, solid_capstyle="butt"
+      )
+      ax.plot([r.best_lr], [y], "o", color="#1f77b4", ms=4)
+      if r.first_failure in _FAIL_MARKS:
+        ax.plot([r.first_failing_lr], [y], ls="", ms=7, **_FAIL_MARKS[r.first_failure])
+      elif np.isfinite(r.largest_working_lr):  # nothing failed above the best lr
+        ax.plot([r.largest_working_lr * 1.6], [y], ">", color="#2ca02c", ms=6)
+    ax.set(xscale="log", title=f"depth {d}", xlabel="learning rate")
+    ax.set_xlim(right=top * 3)
+    _plain_log_ticks(ax)
+  sens = axes[0][-1]
+  for k, d in enumerate(depths):
+    g = lr_tab[lr_tab["depth"] == d]
+    y = g["arm"].map(row).to_numpy() + (k - (len(depths) - 1) / 2) * 0.22
+    err = [
+      g["lr_sensitivity"] - g["lr_sensitivity_ci_lo"],
+      g["lr_sensitivity_ci_hi"] - g["lr_sensitivity"],
+    ]
+    sens.errorbar(
+      g["lr_sensitivity"], y, xerr=np.abs(np.asarray(err, float)), fmt="o", ms=3, label=f"depth {d}"
+    )
+  sens.set(title="LR sensitivity (nats)", xlabel="mean excess loss over the grid")
+  sens.legend(fontsize=7, loc="lower right")
+  first = axes[0][0]
+  first.set_yticks(range(len(arms)), arms)
+  first.invert_yaxis()
+  start = 0
+  for name, fam in families.items():
+    n = sum(a in row for a in fam)
+    if n:
+      for ax in axes[0]:
+        ax.axhline(start - 0.5, color="#999999", lw=0.6)
+      first.text(
+        0.01,
+        start - 0.45,
+        name,
+        transform=first.get_yaxis_transform(),
+        fontsize=7,
+        va="top",
+        color="#555555",
+      )
+      start += n
+  handles = [Line2D([], [], ls="", ms=7, **m) for m in _FAIL_MARKS.values()]
+  handles += [Line2D([], [], ls="", marker=">", color="#2ca02c", label="above the grid")]
+  handles += [
+    Line2D([], [], color="#1f77b4", lw=3, marker="o", ms=4, label="best .. largest working lr")
+  ]
+  fig.legend(
+    handles=handles, loc="outside lower center", ncols=5, fontsize=8, title="first failing lr"
+  )
   return _save(fig, path, dpi)

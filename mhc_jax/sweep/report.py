@@ -250,10 +250,45 @@ def _cell(v: Any) -> Any:
 
 def study_runs(source) -> pd.DataFrame:
   """A stability study's runs (``lrmap``'s rows): its committed runs.csv (to recompute from),
-  or :func:`lrmap.runs_table` of a sweep directory's :func:`summary_table`."""
+  or :func:`lrmap.runs_table` of a sweep directory's :func:`summary_table` with each run's
+  :func:`task_baseline`."""
   if str(source).endswith(".csv"):
     return pd.read_csv(source)
-  return lrmap.runs_table(summary_table(source))
+  table = summary_table(source)
+  dirs = table.attrs["run_dirs"]
+  return lrmap.runs_table(table.assign(baseline=[task_baseline(dirs[r]) for r in table["run"]]))
+
+
+def task_baseline(run_dir) -> float:
+  """The held-out loss of the run's task's trivial predictor on the batches its evaluation reads
+  (the data source's ``baseline``, from config.yaml; NaN for a task that reports none)."""
+  c = logs.read_config(run_dir)
+  opts = {k.split(".", 2)[2]: v for k, v in c.items() if k.startswith("data.options.")}
+  keys = ("data.task", "data.seq_len", "data.batch_size", "data.eval_batches", "train.seed")
+  return baseline(*(c.get(k) for k in keys), **opts)
+
+
+def baseline(task, seq_len, batch_size, eval_batches, seed, **options) -> float:
+  """:func:`task_baseline` from the data settings; text tasks only (else NaN); cached."""
+  key = (task, seq_len, seed, *sorted(options.items()))
+  if key not in _BASELINES:
+    from mhc_jax.data import make_source
+
+    src = make_source(task, seq_len=seq_len, seed=seed, **options) if task == "text" else None
+    _BASELINES[key] = src.baseline if src else None
+  f = _BASELINES[key]
+  return f(batch_size, eval_batches) if f else math.nan
+
+
+def with_baseline(runs: pd.DataFrame, **data) -> pd.DataFrame:
+  """A runs.csv written before the ``baseline`` column existed, with it (from each row's seed
+  and the study's text ``data`` settings: seq_len, batch_size, eval_batches) and ``failure``."""
+  per_seed = {s: baseline("text", seed=int(s), **data) for s in runs["seed"].unique()}
+  runs = runs.assign(baseline=runs["seed"].map(per_seed))
+  return runs.assign(failure=lrmap.failure(runs))
+
+
+_BASELINES: dict = {}  # the sources of task_baseline, by data settings (one corpus read each)
 
 
 def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:

@@ -4,10 +4,12 @@
   python docs/studies/phase_map/analysis.py SWEEP_DIR [--out docs/studies/phase_map]
   python docs/studies/phase_map/analysis.py docs/studies/phase_map/runs.csv   # recompute
 
-Writes ``runs.csv`` (``mhc_jax.sweep.lrmap.runs_table``), ``phase.csv`` (``lrmap.phase_table``:
-per arm, width and depth the fractions of seeds that diverged, spiked or either, eval_loss and
-the per-token composite gain with their intervals) and ``phase_map.png`` (those three as width x
-depth heatmaps, one column per arm).
+Writes ``runs.csv`` (``mhc_jax.sweep.lrmap.runs_table``, with the byte-frequency ``baseline`` and
+the ``failure`` kind; a runs.csv from before issue 48 gets them from :data:`DATA` and is
+rewritten), ``phase.csv`` (``lrmap.phase_table``: per arm, width and depth the fractions of seeds
+that diverged, did not train, failed, spiked, eval_loss and the per-token composite gain with
+their intervals) and ``phase_map.png`` (the two failure fractions, the gain and eval_loss as
+width x depth heatmaps, one column per arm, one colour scale per quantity).
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from pathlib import Path
 from mhc_jax.sweep import lrmap, plots, report, stats
 
 HERE = Path(__file__).resolve().parent
-SHOWN = ["frac_unstable", stats.centre(lrmap.GAIN, [lrmap.GAIN]), "eval_loss_mean"]
+SHOWN = [
+  "frac_diverged",
+  "frac_no_training",
+  stats.centre(lrmap.GAIN, [lrmap.GAIN]),
+  "eval_loss_mean",
+]
+#: The study's data settings (configs/studies/phase_map.yaml, variant cpu), for the baseline.
+DATA = dict(seq_len=64, batch_size=8, eval_batches=8, val_fraction=0.05)
 
 
 def main(argv=None) -> int:
@@ -28,14 +37,16 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   src = Path(args.source)
   runs = report.study_runs(src)
+  upgrade = "baseline" not in runs
+  runs = report.with_baseline(runs, **DATA) if upgrade else runs
   out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
   out.mkdir(parents=True, exist_ok=True)
   phase = lrmap.phase_table(runs)
-  if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
+  if upgrade or (out / "runs.csv").resolve() != src.resolve():  # else left as it is
     runs.to_csv(out / "runs.csv", index=False)
   phase.to_csv(out / "phase.csv", index=False)
   plots.heatmaps(
-    phase, out / "phase_map.png", x="width", y="depth", values=SHOWN, panel="arm", log=SHOWN[1:2]
+    phase, out / "phase_map.png", x="width", y="depth", values=SHOWN, panel="arm", log=SHOWN[2:3]
   )
   print(report.md_table(phase[["arm", "width", "depth", "n_seeds", *SHOWN]].round(4)))
   return 0
