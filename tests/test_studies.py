@@ -123,3 +123,51 @@ def test_lr_curves_failure_kinds_are_the_rules():
   per_seed = runs.groupby("seed")["baseline"].agg(["min", "max"])
   assert (per_seed["min"] == per_seed["max"]).all()
   assert per_seed["min"].round(2).tolist() == [3.27, 3.26, 3.18]
+
+
+def _planted_transfer() -> pd.DataFrame:
+  """Loss 2.5 + 0.1 (log2(lr / optimum))^2 + 0.01 seed: sp's optimum moves 0.032 -> 0.008 at
+  width 128 and -> 0.016 at depth 32; completep's stays at 0.032; one sp run failed (NaN)."""
+  import math
+
+  opt = {("sp", 32, 4): 0.032, ("sp", 128, 4): 0.008, ("sp", 32, 32): 0.016}
+  rows = []
+  for par in ("sp", "completep"):
+    for w, d in ((32, 4), (128, 4), (32, 32)):
+      for lr in (0.004, 0.008, 0.016, 0.032, 0.064):
+        for s in (0, 1):
+          o = opt.get((par, w, d), 0.032)
+          y = 2.5 + 0.1 * math.log2(lr / o) ** 2 + 0.01 * s
+          rows.append(
+            dict(arm="residual", parametrization=par, width=w, depth=d, lr=lr, seed=s)
+            | dict(loss_init=5.5, eval_loss=y, baseline=3.2)
+          )
+  runs = pd.DataFrame(rows)
+  runs.loc[
+    (runs.parametrization == "sp") & (runs.width == 128) & (runs.lr == 0.064), "eval_loss"
+  ] = float("nan")
+  return runs
+
+
+def test_transfer_tables_by_hand(tmp_path):
+  """Drift and regret of a planted optimum: sp drifts -2 steps in width (regret 0.4 nats: two
+  steps of 0.1 x 2^2), -1 in depth; completep transfers with zero regret."""
+  mod = _analysis("transfer")
+  runs = _planted_transfer()
+  runs.to_csv(tmp_path / "runs.csv", index=False)
+  assert mod.main([str(tmp_path / "runs.csv")]) == 0
+  tab = pd.read_csv(tmp_path / "transfer.csv").set_index(["parametrization", "width", "depth"])
+  sp_w, sp_d = tab.loc[("sp", 128, 4)], tab.loc[("sp", 32, 32)]
+  assert sp_w["drift_log2"] == -2 and sp_w["seed_drifts_log2"] == "-2,-2"
+  assert sp_w["regret"] == pytest.approx(0.4) and sp_w["verdict"] == "drifts"
+  assert sp_d["drift_log2"] == -1 and sp_d["regret"] == pytest.approx(0.1)
+  cp = tab.loc[("completep", 128, 4)]
+  assert cp["drift_log2"] == 0 and cp["regret"] == pytest.approx(0) and cp["verdict"] == "transfers"
+  assert bool(cp["regret_small"]) and not bool(sp_w["regret_small"])
+  best = pd.read_csv(tmp_path / "best_lr.csv")
+  assert len(best) == 6 and set(best["seed_best_lrs"]) == {
+    "0.032,0.032",
+    "0.008,0.008",
+    "0.016,0.016",
+  }
+  assert (tmp_path / "transfer.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,147 @@
+"""The transfer study's tables and figure from its sweep directory or its committed runs.csv
+(configs/studies/transfer.yaml, whose header pre-registers the endpoints and decision rules).
+
+  python docs/studies/transfer/analysis.py SWEEP_DIR [--out docs/studies/transfer]
+  python docs/studies/transfer/analysis.py docs/studies/transfer/runs.csv   # recompute
+
+Writes into ``--out`` (default: beside runs.csv, or docs/studies/transfer):
+
+- ``runs.csv``: one row per run (``mhc_jax.sweep.lrmap.runs_table``): arm, mixer,
+  parametrization, size, width, depth, lr, seed, status, loss_init, eval_loss, ..., baseline,
+  failure.
+- ``best_lr.csv``: per arm, parametrisation and size (``lrmap.lr_table``): the best lr, the loss
+  there with its 95% t interval over seeds, each seed's own best lr, the largest working lr.
+- ``transfer.csv``: per arm, parametrisation and larger size, against the base size w32_d4: the
+  drift (log2 of the best lr's ratio, from the seed-mean curve and per seed), the transfer regret
+  (loss at the base's best lr minus loss at the size's own, per seed, mean and t interval) and
+  the verdict by the study file's rule.
+- ``transfer.png``: held-out loss against lr, one curve per size, a panel per arm x
+  parametrisation (the figure of the muP and CompleteP papers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from mhc_jax.sweep import lrmap, report, stats
+
+HERE = Path(__file__).resolve().parent
+BY = ["arm", "parametrization", "width", "depth"]
+BASE = (32, 4)  # (width, depth) where the lr is tuned
+ARMS = ["residual", "hc", "mhc", "mhc_identity"]
+#: Decision thresholds of the study file: |drift| <= 1 transfers, >= 2 drifts (grid steps of 2x);
+#: a regret below 0.05 nats is transfer in practice.
+TRANSFERS, DRIFTS, REGRET = 1.0, 2.0, 0.05
+
+
+def _seed_best(g: pd.DataFrame) -> dict:
+  """Each seed's own best lr (lowest finite eval_loss)."""
+  out = {}
+  for s, r in g.groupby("seed"):
+    y = stats._floats(r[lrmap.ENDPOINT])
+    out[int(s)] = float(r["lr"].iloc[np.nanargmin(np.where(np.isfinite(y), y, np.nan))])
+  return out
+
+
+def best_table(runs: pd.DataFrame) -> pd.DataFrame:
+  """best_lr.csv: ``lrmap.lr_table`` per :data:`BY` with each seed's best lr beside it."""
+  tab = lrmap.lr_table(runs, BY)
+  seeds = [_seed_best(g) for _, g in stats.split(runs, BY)]
+  return tab.assign(seed_best_lrs=[",".join(f"{v:g}" for v in d.values()) for d in seeds])
+
+
+def _loss_at(g: pd.DataFrame, lr: float) -> pd.Series:
+  """eval_loss per seed at ``lr`` (a non-finite loss -> inf: it failed there)."""
+  r = g[np.isclose(g["lr"], lr)].set_index("seed")[lrmap.ENDPOINT].astype(float)
+  return r.where(np.isfinite(r), math.inf)
+
+
+def transfer_table(runs: pd.DataFrame) -> pd.DataFrame:
+  """transfer.csv (module doc): one row per arm, parametrisation and size other than the base."""
+  rows = []
+  for (arm, par), g in runs.groupby(["arm", "parametrization"], sort=False):
+    base = g[(g["width"] == BASE[0]) & (g["depth"] == BASE[1])]
+    if base.empty:
+      continue
+    lr0, seeds0 = lrmap.best_lr(base), _seed_best(base)
+    for (w, d), big in g.groupby(["width", "depth"]):
+      if (w, d) == BASE:
+        continue
+      lr1, seeds1 = lrmap.best_lr(big), _seed_best(big)
+      drift = math.log2(lr1 / lr0)
+      seed_drifts = [math.log2(seeds1[s] / seeds0[s]) for s in seeds0 if s in seeds1]
+      regret = (_loss_at(big, lr0) - _loss_at(big, lr1)).dropna()
+      mean, lo, hi, n = stats.mean_ci(regret.replace(math.inf, np.nan).dropna())
+      worst = max(abs(drift), *map(abs, seed_drifts)) if seed_drifts else abs(drift)
+      verdict = "transfers" if worst <= TRANSFERS else "drifts" if abs(drift) >= DRIFTS else "-"
+      rows.append(
+        dict(arm=arm, parametrization=par, width=w, depth=d, base_best_lr=lr0, best_lr=lr1)
+        | dict(drift_log2=drift, seed_drifts_log2=",".join(f"{v:+g}" for v in seed_drifts))
+        | dict(regret=mean, regret_ci_lo=lo, regret_ci_hi=hi, n_seeds=n)
+        | dict(regret_failed=int(np.isinf(regret).sum()), verdict=verdict)
+        | dict(regret_small=bool(mean < REGRET) if n else False)
+      )
+  return pd.DataFrame(rows)
+
+
+def figure(runs: pd.DataFrame, path: Path) -> None:
+  """Held-out loss (seed mean, failed runs at the initial loss) against lr, a curve per size."""
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  pars = list(dict.fromkeys(runs["parametrization"]))
+  arms = [a for a in ARMS if a in set(runs["arm"])] + sorted(set(runs["arm"]) - set(ARMS))
+  fig, axes = plt.subplots(
+    len(pars),
+    len(arms),
+    figsize=(3.6 * len(arms), 3.2 * len(pars)),
+    squeeze=False,
+    sharex=True,
+    sharey=True,
+    layout="constrained",
+  )
+  y = runs[lrmap.ENDPOINT].astype(float)
+  d = runs.assign(_y=np.where(np.isfinite(y), np.fmin(y, runs["loss_init"]), runs["loss_init"]))
+  for i, par in enumerate(pars):
+    for j, arm in enumerate(arms):
+      ax, sub = axes[i, j], d[(d["arm"] == arm) & (d["parametrization"] == par)]
+      for (w, dep), g in sub.groupby(["width", "depth"]):
+        m = g.groupby("lr")["_y"].mean()
+        ax.plot(m.index, m.to_numpy(), "o-", ms=3, label=f"w{w} d{dep}")
+        ax.plot([m.idxmin()], [m.min()], "k*", ms=8)
+      ax.set(xscale="log", title=f"{arm}, {par}", xlabel="peak learning rate")
+      ax.set_ylabel("held-out loss (nats/byte)") if j == 0 else None
+      ax.grid(True, alpha=0.3)
+  axes[0, 0].legend(fontsize=7, frameon=False)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  src = Path(args.source)
+  runs = report.study_runs(src)
+  out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
+  out.mkdir(parents=True, exist_ok=True)
+  if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
+    runs.to_csv(out / "runs.csv", index=False)
+  best_table(runs).to_csv(out / "best_lr.csv", index=False)
+  tab = transfer_table(runs)
+  tab.to_csv(out / "transfer.csv", index=False)
+  figure(runs, out / "transfer.png")
+  print(report.md_table(tab.round(3)))
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
