@@ -193,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
   e = sub.add_parser("eval", help="posterior fidelity and geometry probes on a run's checkpoint")
   e.add_argument("--run", required=True, help="run directory")
   e.add_argument("--batches", type=int, default=8, help="validation batches to average")
+  e.add_argument("--series", action="store_true", help="each checkpoint -> geometry_series.csv")
   e.set_defaults(fn=cmd_eval)
   c = sub.add_parser("coord-check", help="activation/update RMS against width and depth")
   c.add_argument("mixer", help="a mixer name (its options: --set model.mixer_options.K=V)")
@@ -201,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--widths", default="32,64,128,256", help="comma-separated (at the depth)")
   c.add_argument("--depths", default="2,4,8,16", help="comma-separated (at the width)")
   c.add_argument("--steps", type=int, default=4, help="training steps at each size")
+  c.add_argument(
+    "--parametrization",
+    help="sp, mup or completep (default: the config's); base sizes: the smallest checked",
+  )
   c.add_argument("--out", required=True, help="a new directory for the CSV and the plot")
   c.add_argument("--quiet", action="store_true", help="no progress bar")
   c.set_defaults(fn=cmd_coord_check)

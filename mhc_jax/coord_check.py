@@ -105,10 +105,15 @@ def main(args) -> int:
   widths, depths = _sizes("--widths", args.widths), _sizes("--depths", args.depths)
   if (out := Path(args.out)).exists():
     raise UsageError(f"--out: {out} exists; coord-check never overwrites, name a new directory")
-  base = [*FIXED, f"model.mixer={args.mixer}", f"train.steps={args.steps}", *args.set]
+  # the base sizes stay the smallest checked (unless --set), so the multipliers change with size
+  par = [f"model.base_width={widths[0]}", f"model.base_depth={depths[0]}"]
+  par += [f"model.parametrization={args.parametrization}"] if args.parametrization else []
+  base = [*FIXED, f"model.mixer={args.mixer}", f"train.steps={args.steps}", *par, *args.set]
   size = lambda k, v: [f"model.{k}={v}"] if v else []
   make = lambda w, d: load_config(args.config, [*base, *size("width", w), *size("depth", d)])
   df = run(make, widths, depths, args.steps, progress=not args.quiet)
+  m = make(None, None).model
+  print(f"{args.mixer} under {m.parametrization} (base width {m.base_width}, depth {m.base_depth})")
   out.mkdir(parents=True)
   df.to_csv(out / "coord_check.csv", index=False)
   plot(df, out / "coord_check.png")

@@ -9,6 +9,7 @@ checkpoint, a config that no longer validates, ``--batches < 1``): one ``error:`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -34,6 +35,7 @@ PCA_MAX_POINTS = 4096
 FILTERING_FACTOR = 10  # filtering counts only at KL <= header-only baseline / 10
 PAPER_PERMUTATIONS = 1000  # permutation draws of each shuffled-label null
 PAPER_FIGURE_POINTS = 1500  # value-PCA points stored in eval.json for the figures
+SERIES_CSV = "geometry_series.csv"  # `mhc-jax eval --series`: one row per checkpoint
 
 # what each probe controls for, written into eval.json (docs/windtunnel_results.md says why)
 CONTROLS = {
@@ -96,7 +98,7 @@ def _open_run(run: Path):
   except ConfigError:
     mesh = sh.make_mesh(MeshConfig(data=1), None, devices=jax.devices()[:1])
   model = Transformer(cfg.model)
-  tx, _ = make_optimizer(cfg.optim, cfg.train.steps)
+  tx, _ = make_optimizer(cfg.optim, cfg.train.steps, model=cfg.model)
   example = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
   abstract = abstract_state(state_shardings(model, example, tx, mesh), model, example, tx)
   # through the module, not a name bound at import: tests patch checkpoint.Checkpoints
@@ -386,15 +388,20 @@ def drift_skip_reason(steps) -> str | None:
   return None
 
 
-def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
-  """The project's probes and the papers' definitions on the probe batches."""
+def probe_arrays(cfg, params, inter_fn, host_batches, dev_batches):
+  """(intermediates, host batch, posterior entropy) over the probe batches, batches joined."""
   parts = [
     stacked_intermediates(inter_fn(params, d["inputs"]), cfg.model.depth) for d in dev_batches
   ]
   it = {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
   hb = {k: np.concatenate([b[k] for b in host_batches]) for k in host_batches[0]}
+  return it, hb, np.asarray(P.entropy_bits_pointwise(hb["posterior"])) * hb["mask"]
+
+
+def geometry(cfg, source, params, inter_fn, host_batches, dev_batches) -> dict:
+  """The project's probes and the papers' definitions on the probe batches."""
+  it, hb, entropy = probe_arrays(cfg, params, inter_fn, host_batches, dev_batches)
   mask, inputs, evidence = hb["mask"], hb["inputs"], hb["evidence"].astype(np.int64)
-  entropy = np.asarray(P.entropy_bits_pointwise(hb["posterior"])) * mask
   sup = np.nonzero(mask > 0)
   out: dict[str, Any] = {"batches": len(host_batches), "controls": CONTROLS}
   if cfg.data.task == "bijection":
@@ -649,6 +656,24 @@ def _checkpoint_probes(cfg, params, fwd, inter, restore, steps, hb, db) -> dict:
   return out
 
 
+def _batches(source, cfg, mesh, n: int):
+  host_b = [host_batch(source, cfg, i, split="validation") for i in range(n)]
+  return host_b, [sh.put_batch(b, mesh) for b in host_b]
+
+
+def _score(fwd, params, dev_b, keep_logits: bool):
+  """(mean loss per supervised position, positions, the logits where ``keep_logits``)."""
+  logits, loss_sum, count = [], 0.0, 0.0
+  for d in dev_b:
+    lg, loss, n = fwd(params, d)
+    loss, n = jax.device_get((loss, n))
+    if keep_logits:
+      logits.append(np.asarray(jax.device_get(lg)))
+    loss_sum += float(loss) * float(n)
+    count += float(n)
+  return loss_sum / max(count, 1.0), count, logits
+
+
 def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
   """Evaluate a run directory's latest checkpoint; returns what eval.json holds."""
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
@@ -660,20 +685,8 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
     restore = lambda step: _restore_params(ckpt, abstract, step, run)
     params = restore(steps[-1])
     fwd, inter = _forward_fns(model, cfg)
-    host_b = []
-    for i in range(batches):
-      host_b.append(host_batch(source, cfg, i, split="validation"))
-      host_b[-1].pop("plant", None)
-    dev_b = [sh.put_batch(b, mesh) for b in host_b]
-    logits, loss_sum, count = [], 0.0, 0.0
-    for d in dev_b:
-      lg, loss, n = fwd(params, d)
-      loss, n = jax.device_get((loss, n))
-      if source.has_posterior:
-        logits.append(np.asarray(jax.device_get(lg)))
-      loss_sum += float(loss) * float(n)
-      count += float(n)
-    eval_loss = loss_sum / max(count, 1.0)
+    host_b, dev_b = _batches(source, cfg, mesh, batches)
+    eval_loss, count, logits = _score(fwd, params, dev_b, source.has_posterior)
     result: dict[str, Any] = {
       "run": str(run),
       "task": cfg.data.task,
@@ -703,6 +716,58 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
     ckpt.close()
   result["wall_s"] = time.perf_counter() - t0
   return result
+
+
+def _cols(name: str, r: dict | None, stat: str, null="null_mean", sd="null_std") -> dict:
+  keys = {"": stat, "_null": null, "_null_sd": sd, "_z": "z"}
+  return {name + k: float((r or {}).get(v, math.nan)) for k, v in keys.items()}
+
+
+def signatures(cfg, source, params, it: dict, hb: dict, entropy) -> dict:
+  """The papers' signatures as columns, each with its null (``probes.paper``'s)."""
+  qk = (qk_alignment_paper(cfg, source, it, hb).get("by_layer") or [{}])[-1]
+  vm = value_manifold_paper(cfg, source, it, hb, entropy)
+  new, r = vm["controls"].get("new_keys_within_position"), "abs_corr_pc1_entropy"
+  ko = key_orthogonality_paper(cfg, source, params)["layer0"]
+  return {
+    **_cols("key_cos", ko, "mean_abs_cos", "random_mean_abs_cos", "random_std"),
+    **_cols("qk_slope", qk.get("slope"), "slope"),
+    **_cols("qk_slope_wp", qk.get("slope_within_position"), "slope"),
+    **_cols("value_r", vm, r),
+    **_cols("value_r_new_wp", new, r),
+  }
+
+
+def evaluate_series(run_dir: str | os.PathLike, batches: int = 8) -> list[dict]:
+  """One row per kept checkpoint: eval loss, KL, ``signatures``, the attention's distance to the
+  last checkpoint's (docs/windtunnel_results.md, "The checkpoint series")."""
+  if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+    raise UsageError(f"--batches must be a positive integer, got {batches!r}")
+  run = storage.path(run_dir)
+  cfg, source, mesh, model, abstract, ckpt, steps = _open_run(run)
+  rows, attn = [], []
+  try:
+    if not source.has_posterior:
+      raise UsageError(f"--series: {run} is not a wind-tunnel run (no exact posterior)")
+    fwd, inter = _forward_fns(model, cfg)
+    host_b, dev_b = _batches(source, cfg, mesh, batches)
+    # probes: bijection keys with replacement, every key supervised (whatever the run's layout)
+    bij = cfg.data.task == "bijection"
+    probe = dataclasses.replace(source, replacement=True, supervise="all") if bij else source
+    probe_b = _batches(probe, cfg, mesh, PROBE_BATCHES)
+    for s in steps:
+      params = _restore_params(ckpt, abstract, s, run)
+      loss, _, logits = _score(fwd, params, dev_b, True)
+      it, hb, entropy = probe_arrays(cfg, params, inter, *probe_b)
+      attn.append(it["attn"])
+      kl = fidelity(host_b, logits, source)["kl_bits"]
+      sig = signatures(cfg, probe, params, it, hb, entropy)
+      rows.append({"step": s, "eval_loss": loss, "kl_bits": kl, **sig})
+  finally:
+    ckpt.close()
+  for r, a in zip(rows, attn):
+    r["frame_dist"] = float(0.5 * np.abs(a - attn[-1]).sum(-1).mean())
+  return rows
 
 
 def summary_lines(r: dict) -> list[str]:
@@ -757,6 +822,15 @@ def summary_lines(r: dict) -> list[str]:
 
 def main(args) -> int:
   run = storage.path(args.run)
+  if getattr(args, "series", False):
+    import pandas as pd
+
+    rows = evaluate_series(run, args.batches)
+    storage.write_text_atomic(run / SERIES_CSV, pd.DataFrame(rows).to_csv(index=False))
+    cols = ["step", "kl_bits", "key_cos", "key_cos_null", "value_r_new_wp", "value_r_new_wp_null"]
+    print(pd.DataFrame(rows)[cols + ["frame_dist"]].to_string(index=False, float_format="%.4f"))
+    print(f"wrote {run / SERIES_CSV} ({len(rows)} checkpoints)")
+    return 0
   result = evaluate_run(run, getattr(args, "batches", 8))
   storage.write_json_atomic(run / "eval.json", result)
   print("\n".join(summary_lines(result)))

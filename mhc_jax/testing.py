@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from mhc_jax import mixers
+from mhc_jax import mixers, parametrization as mp
 from mhc_jax.mixers.base import STAT_KEYS, TOKEN_SAMPLE, rms_norm, stream_spread
 
 B, T, C = 2, 5, 8
@@ -299,6 +299,22 @@ def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts)
   return spread
 
 
+def check_param_roles(name: str, **opts) -> None:
+  """Every parameter of the mixer and of its collapse has a role (mup, completep): its class's
+  ``param_roles`` maps the leaf name to hidden, readout, scalar or norm
+  (docs/parametrization.md)."""
+  mixer, params, x, _, _ = setup(name, **opts)
+  cls, fields = mixer.collapse_module()
+  params = [params, nn.meta.unbox(cls(**fields).init(jax.random.PRNGKey(0), x))]
+  roles = type(mixer).param_roles
+  for path, _ in jax.tree_util.tree_leaves_with_path(params):
+    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+    got = mp.role(["attn_mix", *keys], roles)
+    assert got in ("hidden", "readout", "scalar", "norm"), (
+      f"{name}: parameter {'/'.join(keys)} has role {got!r} (param_roles = {roles})"
+    )
+
+
 # --------------------------------------------------------------------------- all at once
 #: Every contract check, with the settings :func:`check_mixer` runs it under; its docstring's
 #: first paragraph says what it means.
@@ -308,6 +324,7 @@ CHECKS = {
   check_finite_grads: [{"dtype": jnp.float32}, {"dtype": jnp.bfloat16}],
   check_invariants: [{}],
   check_stream_separation: [{}],
+  check_param_roles: [{}],
 }
 
 

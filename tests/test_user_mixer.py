@@ -28,6 +28,7 @@ class Gated(Mixer):
   """x + sigmoid(g) F(x): one stream, one learned gate per layer."""
 
   gate_init: float = 0.0
+  param_roles = {"gate": "scalar"}
 
   def layer_params(self, width):
     return 1
@@ -70,6 +71,12 @@ class FakeStochastic(Gated):
   def __call__(self, x_BTnC, sublayer, layer=0):
     out, stats = super().__call__(x_BTnC, sublayer, layer)
     return out, {**stats, "h_res": 2 * stats["h_res"], "h_res_tok": 2 * stats["h_res_tok"]}
+
+
+class NoRoles(Gated):
+  """Declares no parameter roles (the default): fine under sp, refused under mup/completep."""
+
+  param_roles = None
 
 
 class AllThree(FakeStochastic):
@@ -212,6 +219,7 @@ def test_check_mixer_passes_a_good_mixer(usermix, registered):
     ("WrongShape", ["check_shapes"]),
     ("NanGrad", ["check_finite_grads"]),
     ("FakeStochastic", ["check_invariants"]),
+    ("NoRoles", ["check_param_roles"]),
     ("AllThree", ["check_shapes", "check_finite_grads", "check_invariants"]),
   ],
 )
@@ -229,6 +237,7 @@ def test_check_mixer_names_every_broken_check(usermix, cls, broken):
     "check_shapes": "State tree, shapes and dtypes preserved",
     "check_finite_grads": "The gradients of the parameters and of the state are finite",
     "check_invariants": "Doubly stochastic H_res (per token and averaged)",
+    "check_param_roles": "Every parameter of the mixer and of its collapse has a role",
   }
   for name in broken:
     assert f"- {name}: {meanings[name]}" in msg

@@ -50,6 +50,7 @@ class AttnRes(Mixer):
   block_size: int = 1
   key_scale: bool = True
   multi_stream = False
+  param_roles = {"b_query": "readout", "b_key_scale": "norm"}
 
   def hist_size(self) -> int:
     """The embedding plus one entry per block of ``block_size`` mixer layers."""

@@ -168,7 +168,8 @@ class Mixer(nn.Module):
   depends on depth (preallocated, so compile time stays flat in depth). Class attributes:
   ``doubly_stochastic`` (an ``H_res`` claim ``mhc_jax.testing`` checks), ``pre_norm`` (the
   model norms the sublayer input; post-norm mixers set False and norm themselves),
-  ``multi_stream`` (with ``n > 1`` the streams must separate under training: checked).
+  ``multi_stream`` (with ``n > 1`` the streams must separate under training: checked),
+  ``param_roles`` (every parameter's role under mup/completep: checked).
   """
 
   n: int = 1
@@ -179,6 +180,9 @@ class Mixer(nn.Module):
   pre_norm: ClassVar[bool] = True
   # Whether the state holds n > 1 parallel streams that must separate (mhc_jax.testing checks).
   multi_stream: ClassVar[bool] = True
+  # Each parameter's role under mup/completep: leaf-name pattern (fnmatch) -> "hidden" | "readout"
+  # | "scalar" | "norm" (docs/parametrization.md); None declares nothing (such a mixer runs sp only).
+  param_roles: ClassVar[dict[str, str] | None] = None
 
   def expand(self, x_BTC: jax.Array):
     return jnp.broadcast_to(x_BTC[..., None, :], x_BTC.shape[:-1] + (self.n, x_BTC.shape[-1]))

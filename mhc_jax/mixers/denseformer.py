@@ -68,6 +68,7 @@ class DenseFormer(Mixer):
   dilation: int = 1
   period: int = 1
   multi_stream = False
+  param_roles = {"b_*": "scalar"}
 
   def _per_step(self) -> int:
     if self.every not in ("block", "layer"):

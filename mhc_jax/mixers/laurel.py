@@ -37,6 +37,7 @@ class Laurel(Mixer):
   rank: int = 4
   rw_norm: Literal["softmax", "sigmoid", "none"] = "softmax"
   multi_stream = False
+  param_roles = {"w_down": "readout", "w_up": "scalar", "b_rw": "scalar"}  # w_up: fan-in r
 
   def _has(self) -> tuple[bool, bool]:
     if self.variant not in ("rw", "lr", "rw_lr"):

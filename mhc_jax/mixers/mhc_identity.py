@@ -31,6 +31,7 @@ class MHCIdentity(Mixer):
   phi_init: float = 1.0
   stream_init: Literal["onehot", "hc", "symmetric"] = "onehot"
   doubly_stochastic = True  # H_res = I
+  param_roles = {"b_*": "scalar", "alpha_*": "scalar", "phi": "readout"}
 
   def layer_params(self, width: int) -> int:
     n = self.n

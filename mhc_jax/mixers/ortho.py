@@ -33,6 +33,7 @@ class Ortho(Mixer):
   n: int = 1
   eps: float = 1e-6
   multi_stream = False
+  param_roles = {}
 
   def layer_params(self, width: int) -> int:
     return 0

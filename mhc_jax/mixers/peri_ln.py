@@ -52,6 +52,7 @@ class PeriLN(Mixer):
   embed_norm: bool = False
   eps: float = 1e-6
   multi_stream = False
+  param_roles = {"norm_scale": "norm"}
 
   def layer_params(self, width: int) -> int:
     return width  # the output norm's scale

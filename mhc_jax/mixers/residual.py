@@ -10,6 +10,7 @@ class Residual(Mixer):
 
   n: int = 1
   doubly_stochastic = True  # H_res = I
+  param_roles = {}
 
   def layer_params(self, width: int) -> int:
     return 0

@@ -35,6 +35,7 @@ class ValueResidual(Mixer):
   lambda1: float = 0.5  # weight on the first layer's values V_1
   lambda2: float = 0.5  # weight on the layer's own values V_n
   multi_stream = False
+  param_roles = {"b_*": "scalar"}
 
   def expand(self, x_BTC):
     return {"x": x_BTC[..., None, :], "v1": jnp.zeros_like(x_BTC)}

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from mhc_jax import mixers, sinkhorn as sk
+from mhc_jax import mixers, parametrization as mp, sinkhorn as sk
 from mhc_jax.model.layers import MLP, Attention, RMSNorm, kernel_init
 
 REMAT_POLICIES = {
@@ -107,15 +107,16 @@ class Block(nn.Module):
       name="attn",
     )
     mlp = MLP(int(cfg.width * cfg.mlp_ratio), dt, out_scale, cfg.init_scale, name="mlp")
-    logit_max = []
+    logit_max, branch = [], mp.branch_multiplier(cfg)  # completep: m_L^-alpha
+    scaled = (lambda y: y) if branch == 1 else (lambda y: y * branch)
 
     def attn_sub(h, value_fn=None):
       y, m = attn(attn_norm(h), value_fn)
       logit_max.append(m)
-      return y
+      return scaled(y)
 
     def mlp_sub(h, value_fn=None):
-      return mlp(mlp_norm(h))
+      return scaled(mlp(mlp_norm(h)))
 
     if probe is not None:
       state = _add(state, jax.tree.map(lambda p: p[0], probe))
@@ -190,8 +191,13 @@ class Transformer(nn.Module):
         use_bias=False,
         dtype=dt,
         name="head",
-        kernel_init=nn.with_logical_partitioning(kernel_init(cfg.init_scale), ("embed", "vocab")),
+        kernel_init=nn.with_logical_partitioning(
+          kernel_init(cfg.init_scale * mp.multipliers(cfg, "top/output")["init"]),
+          ("embed", "vocab"),
+        ),
       )(h_NC)
+    if (out_mult := mp.logit_multiplier(cfg)) != 1:  # mup, completep: 1/m_d
+      logits = logits * out_mult
     logits = logits.reshape(h_BTC.shape[:-1] + (cfg.vocab,)).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     aux = {}

@@ -114,14 +114,14 @@ def programs(cfg: Config, mesh, size: int, stacked_batch: bool) -> Programs:
   steps = cfg.train.steps
   model = Transformer(cfg.model)
   example = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
-  tx, _ = make_optimizer(cfg.optim, steps)
+  tx, _ = make_optimizer(cfg.optim, steps, model=cfg.model)
   shard = state_shardings(model, example, tx, mesh)
   pop_shard = jax.tree.map(lambda s: NamedSharding(mesh, P(None, *s.spec)), shard)
   rep = sh.replicated(mesh)
   b_axis = 0 if stacked_batch else None
 
   def member_step(state, lr, batch, diag):
-    m_tx, m_schedule = make_optimizer(cfg.optim, steps, lr=lr)
+    m_tx, m_schedule = make_optimizer(cfg.optim, steps, lr=lr, model=cfg.model)
     return make_train_step(model, m_tx, m_schedule, cfg, locate=False)(state, batch, diag)
 
   def pop_step(state, lrs, active, batch, diag):

@@ -200,6 +200,11 @@ class ModelConfig:
   init_scale: float = Field(1.0, gt=0)
   mixer: str = "residual"
   mixer_options: dict[str, Any] = Field(default_factory=dict)  # mhc_jax.mixer_options
+  # how init, lrs, eps, wd, branches and logits scale with width and depth (docs/parametrization.md)
+  parametrization: Literal["sp", "mup", "completep"] = "sp"
+  base_width: int = Field(32, ge=1)  # the size the lr was tuned at: m_d = width / base_width
+  base_depth: int = Field(2, ge=1)  # m_L = depth / base_depth (completep)
+  depth_alpha: float = Field(1.0, ge=0)  # completep's alpha: 1 CompleteP, 0.5 depth-muP
 
   @field_validator("mixer")
   @classmethod
@@ -234,6 +239,14 @@ class ModelConfig:
         f"model.attention: 'cudnn' needs model.dtype=bfloat16 and a head dim that is a multiple"
         f" of 8, got {self.dtype} and {head_dim} (model.attention: auto falls back to xla)"
       )
+    if self.parametrization != "sp":
+      from mhc_jax import mixers
+
+      if mixers.resolve(self.mixer).param_roles is None:
+        raise ConfigError(
+          f"model.parametrization: {self.parametrization!r} needs the mixer's parameter roles;"
+          f" {self.mixer} declares none (param_roles: docs/parametrization.md)"
+        )
     if int(self.width * self.mlp_ratio) < 1:
       raise ConfigError(
         f"model.mlp_ratio: {self.mlp_ratio} * model.width={self.width} leaves no MLP hidden units"
@@ -553,6 +566,9 @@ def config_hash(cfg: Config, length: int = 10) -> str:
   """Short stable hash of what determines a run's results (everything except `dist`)."""
   d = to_dict(cfg)
   d.pop("dist")
+  if d["model"]["parametrization"] == "sp":  # sp ignores them: hashes as before they existed
+    for k in ("parametrization", "base_width", "base_depth", "depth_alpha"):
+      d["model"].pop(k)
   for section, keys in _RETIRED.items():
     d[section].update(keys)
   blob = json.dumps(d, sort_keys=True, separators=(",", ":"))

@@ -67,8 +67,10 @@ def prepare(cfg: Config, devices=None) -> Setup:
         f"on the validation split)"
       ) from None
   try:  # shapes only: what the option types cannot say (e.g. mhc_lite's n! permutations)
-    tx, _ = make_optimizer(cfg.optim, cfg.train.steps)
+    tx, _ = make_optimizer(cfg.optim, cfg.train.steps, model=cfg.model)
     abstract_boxed(Transformer(cfg.model), jnp.zeros((1, cfg.data.seq_len), jnp.int32), tx)
+  except ConfigError:  # a parameter without a role (mhc_jax.parametrization.labels)
+    raise
   except ValueError as e:
     raise ConfigError(f"model.mixer_options: {e}") from None
   mesh = sh.make_mesh(cfg.mesh, cfg.data.batch_size, devices)
@@ -129,7 +131,7 @@ class SingleProgram(Program):
     cfg, mesh = setup.cfg, setup.mesh
     self.cfg, self.source, self.mesh = cfg, setup.source, mesh
     self.model = Transformer(cfg.model)
-    self.tx, schedule = make_optimizer(cfg.optim, cfg.train.steps)
+    self.tx, schedule = make_optimizer(cfg.optim, cfg.train.steps, model=cfg.model)
     self.example = jnp.zeros((1, cfg.data.seq_len), jnp.int32)
     self.shard = state_shardings(self.model, self.example, self.tx, mesh)
     self._step = jax.jit(

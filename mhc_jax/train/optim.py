@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from mhc_jax.train.config import OptimConfig
+from mhc_jax import parametrization as mp
+from mhc_jax.train.config import ModelConfig, OptimConfig
 
 __all__ = ["make_schedule", "decay_mask", "decays", "make_optimizer"]
 
@@ -71,7 +72,7 @@ def decay_mask(params) -> Any:
 
 
 def make_optimizer(
-  optim: OptimConfig, total_steps: int, *, lr: Any = None
+  optim: OptimConfig, total_steps: int, *, lr: Any = None, model: ModelConfig | None = None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
   """(transformation, schedule) for `optim`.
 
@@ -82,6 +83,8 @@ def make_optimizer(
   independent_wd=True:                          p -= lr(t) * (adam + (wd/lr) * p)
 
   `lr` overrides optim.lr and may be a traced array (a population of learning rates).
+  `model.parametrization` mup/completep: Adam with eps scaled, then per-role lr and weight-decay
+  multipliers (mhc_jax.parametrization.scale_by_role); sp (or no model): the chain above.
   """
   peak = optim.lr if lr is None else lr
   wd = optim.weight_decay
@@ -89,7 +92,13 @@ def make_optimizer(
   parts = []
   if optim.clip:
     parts.append(optax.clip_by_global_norm(optim.clip))
-  if optim.independent_wd:
+  if model is not None and model.parametrization != "sp":
+    parts += [
+      optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps * mp.eps_multiplier(model)),
+      mp.scale_by_role(model, wd / peak if optim.independent_wd else wd, decay_mask),
+      optax.scale_by_learning_rate(schedule),
+    ]
+  elif optim.independent_wd:
     parts += [
       optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
       optax.add_decayed_weights(wd / peak, mask=decay_mask),

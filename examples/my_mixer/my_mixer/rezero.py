@@ -16,6 +16,7 @@ class ReZero(Mixer):
   n: int = 1
   alpha_init: float = 0.0
   doubly_stochastic = True  # H_res = I
+  param_roles = {"alpha": "scalar"}  # a gate: its lr does not scale with width (mup, completep)
 
   def layer_params(self, width: int) -> int:
     return 1  # α

@@ -1,0 +1,113 @@
+"""Parametrisations (``model.parametrization``; the derivation: docs/parametrization.md).
+
+``sp`` is the standard parametrisation, unchanged. ``mup`` (Yang et al., arXiv:2203.03466) scales
+with width, ``completep`` (Dey et al., arXiv:2505.01618, Table 1) with width and depth, relative
+to a base model: ``m_d = width / base_width``, ``m_L = depth / base_depth``, ``α = depth_alpha``
+(mup: no depth factors). Every parameter has a role: the model's own by name, a mixer's by its
+``param_roles``. A role's multipliers (``block/`` = inside the depth, ``top/`` = outside it):
+
+| role | lr | weight decay | init std |
+| --- | --- | --- | --- |
+| ``embedding`` (the token table; tied, it also reads out the logits) | 1 | 1 | 1 |
+| ``output`` (an untied LM head) | 1 | 1 | ``m_d^{1/2}`` |
+| ``hidden``, ``readout`` (fan-in ∝ width) | ``m_d^-1 m_L^(α-1)`` | ``m_d`` | 1 |
+| ``norm``, ``scalar`` (fan-in fixed) | ``m_L^(α-1)`` (``top/``: 1) | 1 | 1 |
+
+and for every parameter Adam's ε ``× m_d^-1 m_L^-α``, every branch output ``× m_L^-α``, the
+logits ``× 1/m_d``. The lr multipliers act on Adam's update (optax ``multi_transform`` over the
+labels), the weight decay's on the decay term inside it (coupled: ``lr·wd``; independent: per
+step), so the decay a hidden matrix gets per step is ``m_L^(α-1)`` of the base's in both.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+import jax
+import optax
+
+from mhc_jax import mixers
+from mhc_jax.errors import ConfigError
+
+NAMES = ("sp", "mup", "completep")
+ROLES = ("embedding", "output", "hidden", "readout", "norm", "scalar")
+LABELS = tuple(f"{where}/{r}" for where in ("block", "top") for r in ROLES)
+_MIXER_KEYS = ("attn_mix", "mlp_mix", "collapse")  # model.params.MIXER_KEYS (no import circle)
+
+
+def factors(cfg) -> tuple[float, float, float]:
+  """``(m_d, m_L, α)`` of a ModelConfig: ``(1, 1, 0)`` under sp; mup has ``m_L = 1, α = 0``."""
+  m_d = 1.0 if cfg.parametrization == "sp" else cfg.width / cfg.base_width
+  if cfg.parametrization != "completep":
+    return m_d, 1.0, 0.0
+  return m_d, cfg.depth / cfg.base_depth, float(cfg.depth_alpha)
+
+
+def branch_multiplier(cfg) -> float:
+  """Each sublayer's output (the branch the mixer writes) is multiplied by ``m_L^-α``."""
+  _, m_l, alpha = factors(cfg)
+  return m_l**-alpha
+
+
+def logit_multiplier(cfg) -> float:
+  return 1.0 / factors(cfg)[0]
+
+
+def eps_multiplier(cfg) -> float:
+  m_d, m_l, alpha = factors(cfg)
+  return 1.0 / (m_d * m_l**alpha)
+
+
+def multipliers(cfg, label: str) -> dict[str, float]:
+  """``{"lr", "wd", "init"}`` of a label (``block/<role>`` or ``top/<role>``)."""
+  where, role = label.split("/")
+  m_d, m_l, alpha = factors(cfg)
+  wide = role in ("hidden", "readout")
+  depth = m_l ** (alpha - 1) if where == "block" else 1.0
+  init = m_d**0.5 if role == "output" else 1.0
+  return {"lr": depth / m_d if wide else depth, "wd": m_d if wide else 1.0, "init": init}
+
+
+def _keys(path) -> list[str]:
+  return [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
+
+
+def role(keys: list[str], mixer_roles: dict[str, str] | None) -> str | None:
+  """The role of the parameter at dict-key path ``keys`` (None: it has none)."""
+  name = keys[-1]
+  if any(k in _MIXER_KEYS for k in keys):
+    pats = (mixer_roles or {}).items()
+    return next((r for pat, r in pats if fnmatch.fnmatchcase(name, pat)), None)
+  own = {"embedding": "embedding", "scale": "norm", "kernel": "hidden"}.get(name)
+  return "output" if own == "hidden" and "head" in keys else own
+
+
+def labels(params, cfg):
+  """A tree like ``params`` (boxed or not) of labels, ``block/<role>`` inside the blocks and
+  ``top/<role>`` outside; a parameter without a role is a ConfigError naming the key."""
+  roles = mixers.resolve(cfg.mixer).param_roles
+
+  def label(path, _):
+    keys = _keys(path)
+    r = role(keys, roles)
+    if r not in ROLES:
+      raise ConfigError(
+        f"model.parametrization: {cfg.parametrization} needs a role for every parameter; "
+        f"{'/'.join(keys)} of mixer {cfg.mixer!r} has {r!r} (param_roles: docs/parametrization.md)"
+      )
+    inside = any(k == "blocks" or k.startswith("block_") for k in keys)
+    return f"{'block' if inside else 'top'}/{r}"
+
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def scale_by_role(cfg, weight_decay, decay_mask) -> optax.GradientTransformation:
+  """Per label: ``(update + weight_decay·wd·p [where decay_mask]) · lr`` (the multipliers of
+  :func:`multipliers`), one optax ``multi_transform`` over :func:`labels`."""
+
+  def group(label):
+    m = multipliers(cfg, label)
+    decay = optax.add_decayed_weights(weight_decay * m["wd"], mask=decay_mask)
+    return optax.chain(decay, optax.scale(m["lr"]))
+
+  return optax.multi_transform({l: group(l) for l in LABELS}, lambda p: labels(p, cfg))
