@@ -122,13 +122,16 @@ class BijectionTask(WindTunnel):
   n_symbols: int = 20
   n_pairs: int | None = None
   replacement: bool = True
+  supervise: str = "all"  # "query": the papers' layout, one query key from the context
 
   def __post_init__(self):
     self.seq_len = _check_int("seq_len", self.seq_len, 2)
     self.n_symbols = _check_int("n_symbols", self.n_symbols, 2)
     if not isinstance(self.replacement, bool):
       raise ValueError(f"option 'replacement' must be a bool, got {self.replacement!r}")
-    max_pairs = self.seq_len // 2
+    if self.supervise not in ("all", "query"):
+      raise ValueError(f"option 'supervise' must be 'all' or 'query', got {self.supervise!r}")
+    max_pairs = (self.seq_len - 2 * (self.supervise == "query")) // 2
     if not self.replacement:
       max_pairs = min(max_pairs, self.n_symbols)
     if self.n_pairs is None:
@@ -149,15 +152,17 @@ class BijectionTask(WindTunnel):
       keys = (bits[2 * V :] % V).astype(jnp.int32)
     else:
       keys = jnp.argsort(bits[V : 2 * V])[:N].astype(jnp.int32)
+    q_pos = 1 + 2 * jnp.arange(N)  # input positions holding the keys
+    if self.supervise == "query":  # pair N + 1 repeats a context key; only it is supervised
+      keys = jnp.append(keys, keys[jax.random.randint(jax.random.fold_in(key, 1), (), 0, N)])
+      q_pos = q_pos[-1:] + 2
     values = perm[keys]
     post_N, evidence_N = bijection_posterior(keys, values, V)
+    post_N, evidence_N = post_N[-len(q_pos) :], evidence_N[-len(q_pos) :]
 
-    pairs = jnp.stack([keys, values + V], axis=-1).reshape(-1)  # [2N]
-    n_tail = T + 1 - 1 - 2 * N
-    tokens = jnp.concatenate([jnp.array([self.bos]), pairs, jnp.full((n_tail,), self.pad)]).astype(
-      jnp.int32
-    )
-    q_pos = 1 + 2 * jnp.arange(N)  # input positions holding the keys
+    pairs = jnp.stack([keys, values + V], axis=-1).reshape(-1)  # [2N] (+ the query's pair)
+    tail = jnp.full((T - len(pairs),), self.pad)
+    tokens = jnp.concatenate([jnp.array([self.bos]), pairs, tail]).astype(jnp.int32)
     mask = jnp.zeros((T,), jnp.float32).at[q_pos].set(1.0)
     posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
     posterior = posterior.at[q_pos, V : 2 * V].set(post_N)
@@ -184,7 +189,8 @@ class BijectionTask(WindTunnel):
     B, T = np.shape(inputs)
     V = self.n_symbols
     out = np.zeros((B, T, self.vocab_size))
-    out[:, 1 : 1 + 2 * self.n_pairs : 2, V : 2 * V] = 1.0 / V
+    q = 2 * self.n_pairs + 1 if self.supervise == "query" else slice(1, 1 + 2 * self.n_pairs, 2)
+    out[:, q, V : 2 * V] = 1.0 / V
     return {"uniform": out}
 
 
