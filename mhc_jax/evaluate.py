@@ -3,8 +3,10 @@
 Loads ``DIR/config.yaml`` and the latest orbax checkpoint in ``DIR/checkpoints``, evaluates it on
 ``N`` validation batches (the batches the trainer's in-loop eval starts with) and writes
 ``DIR/eval.json`` (atomically), with a short summary on stdout. docs/windtunnel_results.md ("What
-eval.json holds") describes every field. Bad input (no such directory, no config.yaml, no
-checkpoint, a config that no longer validates, ``--batches < 1``): one ``error:`` line, exit 2.
+eval.json holds") describes every field; ``--series``: every kept checkpoint instead, a row each
+in ``DIR/geometry_series.csv`` (ibid., "The checkpoint series"). Bad input (no such directory, no
+config.yaml, no checkpoint, a config that no longer validates, ``--batches < 1``): one ``error:``
+line, exit 2.
 """
 
 from __future__ import annotations
