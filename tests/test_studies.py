@@ -171,3 +171,46 @@ def test_transfer_tables_by_hand(tmp_path):
     "0.016,0.016",
   }
   assert (tmp_path / "transfer.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def _planted_geometry() -> pd.DataFrame:
+  """runs.csv of the geometry pilot, planted: 'tied' meets both rules on both seeds from step
+  2000 (key ratio 0.5 <= 1/1.5, manifold z 5 >= 3), 'untied' has the key frame on both seeds
+  but the manifold on seed 0 only, 'sample' is everywhere at its nulls."""
+  rows = []
+  for setting in ("tied", "untied", "sample"):
+    for seed in (0, 1):
+      for step in (1000, 2000, 3000):
+        grown = setting != "sample" and step >= 2000
+        ratio = 0.5 if grown else 1.0
+        z = 5.0 if grown and (setting == "tied" or seed == 0) else 0.5
+        rows.append(
+          dict(setting=setting, replacement=True, supervise="all", target="posterior")
+          | dict(tied_embeddings=setting != "untied", depth=2, width=64, heads=2, head_dim=32)
+          | dict(seed=seed, step=step, eval_loss=1.0, kl_bits=0.1 / step, frame_dist=1 / step)
+          | dict(key_cos=0.14 * ratio, key_cos_null=0.14, key_cos_null_sd=0.01, key_cos_z=0.0)
+          | dict(value_r_new_wp=0.02 + 0.02 * z, value_r_new_wp_null=0.02)
+          | dict(value_r_new_wp_null_sd=0.02, value_r_new_wp_z=z, value_r=0.9)
+          | dict(qk_slope_wp=0.0, qk_slope_wp_z=1.0)
+        )
+  return pd.DataFrame(rows)
+
+
+def test_geometry_pilot_decision_from_planted_runs(tmp_path):
+  """The pre-registered rule (configs/studies/geometry_pilot.yaml) recomputed from runs.csv:
+  both signatures beyond their nulls on >= 2 seeds at the last checkpoint."""
+  _planted_geometry().to_csv(tmp_path / "runs.csv", index=False)
+  before = (tmp_path / "runs.csv").read_bytes()
+  assert _analysis("geometry_pilot").main([str(tmp_path / "runs.csv")]) == 0
+  assert (tmp_path / "runs.csv").read_bytes() == before  # the source is left as it is
+  dec = pd.read_csv(tmp_path / "decision.csv").set_index("setting")
+  assert dec["exists"].to_dict() == {"tied": "yes", "untied": "no", "sample": "no"}
+  assert dec.loc["tied", "first_step"] == 2000 and dec["first_step"].isna().sum() == 2
+  assert dec.loc["tied", "step"] == 3000 and (dec["n_seeds"] == 2).all()
+  assert dec.loc["untied", "k_seeds"] == 2 and dec.loc["untied", "m_seeds"] == 1
+  assert dec.loc["sample", "k_seeds"] == 0 and dec.loc["tied", "key_ratio_by_seed"] == "0.500,0.500"
+  assert dec.loc["untied", "value_r_new_wp_z_by_seed"] == "5.0,0.5"
+  assert (dec["head_dim"] == 32).all()
+  steps = pd.read_csv(tmp_path / "by_step.csv")
+  assert steps[steps["setting"] == "tied"]["exists"].tolist() == [False, True, True]
+  assert (tmp_path / "signatures.png").read_bytes()[:4] == b"\x89PNG"
