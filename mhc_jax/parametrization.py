@@ -12,9 +12,12 @@ to a base model: ``m_d = width / base_width``, ``m_L = depth / base_depth``, ``�
 | ``output`` (an untied LM head) | 1 | 1 | ``m_d^{1/2}`` |
 | ``hidden``, ``readout`` (fan-in ∝ width) | ``m_d^-1 m_L^(α-1)`` | ``m_d`` | 1 |
 | ``norm``, ``scalar`` (fan-in fixed) | ``m_L^(α-1)`` (``top/``: 1) | 1 | 1 |
+| ``res`` (on the stream itself: ``H_res``, post-norm gains) | ``m_L^-1`` | 1 | 1 |
+| ``res_readout`` (``H_res``'s projection, fan-in ∝ width) | ``m_d^-1 m_L^-1`` | ``m_d`` | 1 |
 
 and for every parameter Adam's ε ``× m_d^-1 m_L^-α``, every branch output ``× m_L^-α``, the
-logits ``× 1/m_d``. The lr multipliers act on Adam's update (optax ``multi_transform`` over the
+logits ``× 1/m_d`` (both forms: ``h·W / (sqrt(base_width) m_d)``, ``W`` the tied embedding or
+``sqrt(base_width)`` x the untied head, entries ~1). The lr multipliers act on Adam's update (optax ``multi_transform`` over the
 labels), the weight decay's on the decay term inside it (coupled: ``lr·wd``; independent: per
 step), so the decay a hidden matrix gets per step is ``m_L^(α-1)`` of the base's in both.
 """
@@ -30,7 +33,8 @@ from mhc_jax import mixers
 from mhc_jax.errors import ConfigError
 
 NAMES = ("sp", "mup", "completep")
-ROLES = ("embedding", "output", "hidden", "readout", "norm", "scalar")
+ROLES = ("embedding", "output", "hidden", "readout", "norm", "scalar", "res", "res_readout")
+MIXER_ROLES = ROLES[2:]  # what a mixer's param_roles may name
 LABELS = tuple(f"{where}/{r}" for where in ("block", "top") for r in ROLES)
 _MIXER_KEYS = ("attn_mix", "mlp_mix", "collapse")  # model.params.MIXER_KEYS (no import circle)
 
@@ -50,7 +54,9 @@ def branch_multiplier(cfg) -> float:
 
 
 def logit_multiplier(cfg) -> float:
-  return 1.0 / factors(cfg)[0]
+  """``1/m_d`` of the base's: tied logits ``h·E/sqrt(width)`` already have ``m_d^-1/2`` of it."""
+  m_d = factors(cfg)[0]
+  return m_d**-0.5 if cfg.tied_embeddings else 1.0 / m_d
 
 
 def eps_multiplier(cfg) -> float:
@@ -62,8 +68,10 @@ def multipliers(cfg, label: str) -> dict[str, float]:
   """``{"lr", "wd", "init"}`` of a label (``block/<role>`` or ``top/<role>``)."""
   where, role = label.split("/")
   m_d, m_l, alpha = factors(cfg)
-  wide = role in ("hidden", "readout")
-  depth = m_l ** (alpha - 1) if where == "block" else 1.0
+  wide = role in ("hidden", "readout", "res_readout")
+  # the branch path's updates reach the stream through m_L^-alpha; the stream path's (res*) act
+  # on it directly, a product of 2L of them: 1/m_L each keeps their sum over depth O(1)
+  depth = 1.0 if where == "top" else m_l ** (-1.0 if role.startswith("res") else alpha - 1)
   init = m_d**0.5 if role == "output" else 1.0
   return {"lr": depth / m_d if wide else depth, "wd": m_d if wide else 1.0, "init": init}
 

@@ -301,8 +301,7 @@ def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts)
 
 def check_param_roles(name: str, **opts) -> None:
   """Every parameter of the mixer and of its collapse has a role (mup, completep): its class's
-  ``param_roles`` maps the leaf name to hidden, readout, scalar or norm
-  (docs/parametrization.md)."""
+  ``param_roles`` maps the leaf name to a mixer role (docs/parametrization.md)."""
   mixer, params, x, _, _ = setup(name, **opts)
   cls, fields = mixer.collapse_module()
   params = [params, nn.meta.unbox(cls(**fields).init(jax.random.PRNGKey(0), x))]
@@ -310,7 +309,7 @@ def check_param_roles(name: str, **opts) -> None:
   for path, _ in jax.tree_util.tree_leaves_with_path(params):
     keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
     got = mp.role(["attn_mix", *keys], roles)
-    assert got in ("hidden", "readout", "scalar", "norm"), (
+    assert got in mp.MIXER_ROLES, (
       f"{name}: parameter {'/'.join(keys)} has role {got!r} (param_roles = {roles})"
     )
 

@@ -180,8 +180,9 @@ class Mixer(nn.Module):
   pre_norm: ClassVar[bool] = True
   # Whether the state holds n > 1 parallel streams that must separate (mhc_jax.testing checks).
   multi_stream: ClassVar[bool] = True
-  # Each parameter's role under mup/completep: leaf-name pattern (fnmatch) -> "hidden" | "readout"
-  # | "scalar" | "norm" (docs/parametrization.md); None declares nothing (such a mixer runs sp only).
+  # Each parameter's role under mup/completep: leaf-name pattern (fnmatch, first match) -> "hidden",
+  # "readout", "scalar", "norm", "res" or "res_readout" (docs/parametrization.md); None declares
+  # nothing (such a mixer runs under sp only).
   param_roles: ClassVar[dict[str, str] | None] = None
 
   def expand(self, x_BTC: jax.Array):

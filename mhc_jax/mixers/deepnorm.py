@@ -31,7 +31,7 @@ class DeepNorm(Mixer):
   eps: float = 1e-6
   multi_stream = False
   pre_norm = False
-  param_roles = {"norm_scale": "norm"}
+  param_roles = {"norm_scale": "res"}  # a post-norm gain scales the stream
 
   def layer_params(self, width: int) -> int:
     return width  # the post-norm's scale

@@ -68,7 +68,7 @@ class DenseFormer(Mixer):
   dilation: int = 1
   period: int = 1
   multi_stream = False
-  param_roles = {"b_*": "scalar"}
+  param_roles = {"b_*": "res"}  # DWA weights mix the stream history
 
   def _per_step(self) -> int:
     if self.every not in ("block", "layer"):

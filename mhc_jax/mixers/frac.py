@@ -46,7 +46,13 @@ class FracConnection(Mixer):
   collapse: str = "concat"
   dynamic: bool = True
   alpha_init: float = 0.01
-  param_roles = {"b_*": "scalar", "s_*": "scalar", "w_*": "readout"}
+  param_roles = {
+    "b_mix": "res",
+    "w_mix": "res_readout",
+    "b_*": "scalar",
+    "s_*": "scalar",
+    "w_*": "readout",
+  }
 
   def expand(self, x_BTC):
     return split_fracs(x_BTC, self.n)

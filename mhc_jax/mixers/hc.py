@@ -27,7 +27,13 @@ class HyperConnection(Mixer):
   dynamic: bool = True
   alpha_init: float = 0.01
   stream_init: Literal["hc", "symmetric"] = "hc"
-  param_roles = {"b_*": "scalar", "s_*": "scalar", "w_*": "readout"}
+  param_roles = {
+    "b_mix": "res",
+    "w_mix": "res_readout",
+    "b_*": "scalar",
+    "s_*": "scalar",
+    "w_*": "readout",
+  }
 
   def layer_params(self, width: int) -> int:
     n, c = self.n, width

@@ -37,7 +37,7 @@ class Laurel(Mixer):
   rank: int = 4
   rw_norm: Literal["softmax", "sigmoid", "none"] = "softmax"
   multi_stream = False
-  param_roles = {"w_down": "readout", "w_up": "scalar", "b_rw": "scalar"}  # w_up: fan-in r
+  param_roles = {"w_down": "res_readout", "w_up": "res", "b_rw": "res"}  # x + B A x: on the stream
 
   def _has(self) -> tuple[bool, bool]:
     if self.variant not in ("rw", "lr", "rw_lr"):

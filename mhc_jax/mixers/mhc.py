@@ -56,7 +56,7 @@ class ManifoldHyperConnection(Mixer):
   phi_init: float = 1.0
   stream_init: Literal["onehot", "hc", "symmetric"] = "onehot"
   doubly_stochastic = True
-  param_roles = {"b_*": "scalar", "alpha_*": "scalar", "phi": "readout"}
+  param_roles = {"*_res": "res", "b_*": "scalar", "alpha_*": "scalar", "phi": "readout"}
 
   def layer_params(self, width: int) -> int:
     n, r = self.n, self.res_size()

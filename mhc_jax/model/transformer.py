@@ -196,7 +196,7 @@ class Transformer(nn.Module):
           ("embed", "vocab"),
         ),
       )(h_NC)
-    if (out_mult := mp.logit_multiplier(cfg)) != 1:  # mup, completep: 1/m_d
+    if (out_mult := mp.logit_multiplier(cfg)) != 1:  # mup, completep
       logits = logits * out_mult
     logits = logits.reshape(h_BTC.shape[:-1] + (cfg.vocab,)).astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)

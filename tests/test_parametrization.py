@@ -1,0 +1,357 @@
+"""``model.parametrization`` (mhc_jax/parametrization.py, docs/parametrization.md): the default
+``sp`` is the optimiser chain it was and completep at its base sizes is sp bit for bit; every
+parameter gets a label and the labels' multipliers are Table 1's; planted coordinate checks
+(completep flat, completep without its branch multiplier or without its lr scaling growing);
+sharded meshes, resume and populations; bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import yaml
+
+from mhc_jax import cli, coord_check as cc, logs, mixers, parametrization as mp
+from mhc_jax.model import Transformer
+from mhc_jax.train.config import ModelConfig, load_config
+from mhc_jax.train.loop import SingleProgram, prepare, train
+from mhc_jax.train.optim import decay_mask, make_optimizer, make_schedule
+from mhc_jax.train.state import param_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = ROOT / "configs" / "debug.yaml"
+# width 16 = 2 x base 8, depth 2 = 2 x base 1: every multiplier differs from 1
+SCALED = ("model.parametrization=completep", "model.base_width=8", "model.base_depth=1")
+
+
+def tiny(*overrides):
+  return load_config(DEBUG, ["train.diag_every=0", "train.eval_every=0", *overrides])
+
+
+def _grads(params, seed=0):
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+  return jax.tree.unflatten(tree, [jax.random.normal(k, l.shape) for k, l in zip(keys, leaves)])
+
+
+def _updates(tx, params, steps=3):
+  state, out = tx.init(params), []
+  for t in range(steps):
+    u, state = tx.update(_grads(params, t), state, params)
+    params = optax.apply_updates(params, u)
+    out.append(u)
+  return out, state
+
+
+SMALL = {
+  "params": {
+    "embedding": jnp.ones((5, 4)),
+    "blocks": {
+      "attn": {"query": {"kernel": jnp.ones((1, 4, 2, 2))}},
+      "attn_norm": {"scale": jnp.ones((1, 4))},
+      "attn_mix": {
+        "b_mix": jnp.ones((1, 2, 2)),
+        "b_read": jnp.ones((1, 2)),
+        "w_mix": jnp.ones((1, 4, 2)),
+        "w_read": jnp.ones((1, 4)),
+      },
+    },
+    "collapse": {"b_collapse": jnp.ones((2,))},
+    "final_norm": {"scale": jnp.ones((4,))},
+    "head": {"kernel": jnp.ones((4, 5))},
+  }
+}
+SMALL_LABELS = {
+  "params": {
+    "embedding": "top/embedding",
+    "blocks": {
+      "attn": {"query": {"kernel": "block/hidden"}},
+      "attn_norm": {"scale": "block/norm"},
+      "attn_mix": {
+        "b_mix": "block/res",
+        "b_read": "block/scalar",
+        "w_mix": "block/res_readout",
+        "w_read": "block/readout",
+      },
+    },
+    "collapse": {"b_collapse": "top/scalar"},
+    "final_norm": {"scale": "top/norm"},
+    "head": {"kernel": "top/output"},
+  }
+}
+
+
+@pytest.mark.parametrize("independent_wd", [False, True])
+def test_sp_is_the_previous_optimizer_chain_exactly(independent_wd):
+  """Default sp (with or without a model config) gives the chain make_optimizer built before
+  parametrisations existed: the same state tree and bit-identical updates."""
+  optim = tiny(f"optim.independent_wd={str(independent_wd).lower()}", "optim.weight_decay=0.01")
+  optim = optim.optim
+  schedule = make_schedule(optim, 10)
+  adam = dict(b1=optim.b1, b2=optim.b2, eps=optim.eps)
+  if independent_wd:
+    tail = [
+      optax.scale_by_adam(**adam),
+      optax.add_decayed_weights(optim.weight_decay / optim.lr, mask=decay_mask),
+      optax.scale_by_learning_rate(schedule),
+    ]
+  else:
+    tail = [optax.adamw(schedule, **adam, weight_decay=optim.weight_decay, mask=decay_mask)]
+  before = optax.chain(optax.clip_by_global_norm(optim.clip), *tail)
+  want, want_state = _updates(before, SMALL)
+  for model in (None, ModelConfig(), ModelConfig(width=512, base_width=8)):
+    got, state = _updates(make_optimizer(optim, 10, model=model)[0], SMALL)
+    assert jax.tree.structure(state) == jax.tree.structure(want_state)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+def test_completep_at_its_base_sizes_is_sp_bit_for_bit():
+  """At width = base_width and depth = base_depth every multiplier is 1: three steps with an
+  untied head give the same parameters as sp, bit for bit (the readout and scalar roles' unit
+  multipliers: test_the_optimizer_scales_each_labelled_update_by_its_multiplier)."""
+  base = ["model.tied_embeddings=false", "mesh.data=1", "train.steps=3"]
+  base += ["model.base_width=16", "model.base_depth=1"]
+  params = []
+  for par in ("sp", "completep"):
+    program = SingleProgram(prepare(tiny(*base, f"model.parametrization={par}"), jax.devices()[:1]))
+    state = program.init()
+    for t in range(3):
+      state, _ = program.step(state, None, t, False)
+    params.append(jax.device_get(state.params))
+  jax.tree.map(np.testing.assert_array_equal, *params)
+  assert not np.array_equal(params[0]["params"]["head"]["kernel"], 0)
+
+
+def test_labels_and_multipliers_of_a_small_tree():
+  """Labels from names and the mixer's param_roles; Table 1's multipliers at m_d = 2, m_L = 4."""
+  cfg = ModelConfig(mixer="hc", width=64, depth=8, base_width=32, parametrization="completep")
+  assert mp.labels(SMALL, cfg) == SMALL_LABELS
+  assert mp.factors(cfg) == (2.0, 4.0, 1.0)
+  got = {l: (mp.multipliers(cfg, l)["lr"], mp.multipliers(cfg, l)["wd"]) for l in mp.LABELS}
+  assert {l: v for l, v in got.items() if l in jax.tree.leaves(SMALL_LABELS)} == {
+    "block/hidden": (0.5, 2.0),  # m_d^-1 m_L^(alpha-1), wd m_d
+    "block/readout": (0.5, 2.0),
+    "block/norm": (1.0, 1.0),  # m_L^(alpha-1)
+    "block/scalar": (1.0, 1.0),
+    "block/res": (0.25, 1.0),  # m_L^-1: on the stream path
+    "block/res_readout": (0.125, 2.0),
+    "top/embedding": (1.0, 1.0),
+    "top/output": (1.0, 1.0),
+    "top/norm": (1.0, 1.0),
+    "top/scalar": (1.0, 1.0),
+  }
+  assert mp.multipliers(cfg, "top/output") == {"lr": 1.0, "wd": 1.0, "init": 2**0.5}
+  assert (mp.branch_multiplier(cfg), mp.eps_multiplier(cfg)) == (0.25, 1 / 8)
+  untied = dataclasses.replace(cfg, tied_embeddings=False)  # logits h W / m_d
+  assert (mp.logit_multiplier(untied), mp.logit_multiplier(cfg)) == (0.5, 2**-0.5)
+  half = dataclasses.replace(cfg, depth_alpha=0.5)  # depth-muP
+  assert mp.multipliers(half, "block/hidden")["lr"] == 0.25
+  assert mp.multipliers(half, "block/scalar")["lr"] == 0.5 and mp.branch_multiplier(half) == 0.5
+  assert mp.multipliers(half, "block/res")["lr"] == 0.25  # 1/m_L whatever alpha
+  width_only = dataclasses.replace(cfg, parametrization="mup")
+  assert mp.multipliers(width_only, "block/hidden")["lr"] == 0.5
+  assert mp.branch_multiplier(width_only) == 1.0 and mp.eps_multiplier(width_only) == 0.5
+
+
+def test_init_logits_take_the_same_width_factor_tied_and_untied():
+  """Logits ``h·W / (sqrt(base_width) m_d)``, W the tied embedding or sqrt(base_width) x the
+  untied head: at init and 4x the base width, mup's logits are sp's x m_d^-1/2 = 1/2 in both
+  forms (the same draws: the untied head starts 2x sp's and its logits are divided by 4)."""
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 16), 0, 64)
+
+  def logits(par, tied):
+    sets = [f"model.parametrization={par}", f"model.tied_embeddings={tied}", "model.vocab=64"]
+    model = Transformer(tiny(*sets, "model.width=128", "model.base_width=32").model)
+    return model.apply(model.init(jax.random.PRNGKey(0), tokens), tokens)[0]
+
+  for tied in ("true", "false"):
+    np.testing.assert_allclose(logits("mup", tied), 0.5 * logits("sp", tied), rtol=1e-5, atol=1e-6)
+
+
+def test_the_optimizer_scales_each_labelled_update_by_its_multiplier():
+  """Adam's first update is ~sign(g) (eps tiny, no decay): per label, -lr x the multiplier."""
+  cfg = ModelConfig(mixer="hc", width=64, depth=8, base_width=32, parametrization="completep")
+  optim = tiny("optim.weight_decay=0", "optim.warmup_steps=0", "optim.clip=0", "optim.lr=0.1")
+  (u,), _ = _updates(make_optimizer(optim.optim, 10, model=cfg)[0], SMALL, steps=1)
+  flat = jax.tree_util.tree_leaves_with_path
+  g = dict(flat(_grads(SMALL)))
+  for (path, label), (_, upd) in zip(flat(SMALL_LABELS), flat(u)):
+    want = -0.1 * mp.multipliers(cfg, label)["lr"] * np.sign(g[path])
+    np.testing.assert_allclose(upd, want, rtol=1e-4, err_msg=label)
+
+
+def test_every_parameter_of_every_mixer_gets_a_label():
+  for name in mixers.names():
+    cfg = tiny(f"model.mixer={name}", "model.parametrization=completep", "model.vocab=11").model
+    shapes = param_shapes(Transformer(cfg), jax.ShapeDtypeStruct((1, 8), jnp.int32))
+    labels = jax.tree.leaves(mp.labels(shapes, cfg))
+    assert len(labels) == len(jax.tree.leaves(shapes)) and set(labels) <= set(mp.LABELS), name
+    assert "block/hidden" in labels and "top/embedding" in labels
+
+
+def test_planted_coordinate_checks(monkeypatch):
+  """completep flat in width and depth; without the branch multiplier the activation changes
+  grow with depth, without the hidden lr's 1/m_d with width (the standard parametrisation's
+  slope ~1)."""
+  tiny_cc = (*cc.FIXED, "model.heads=2", "data.seq_len=8", "data.batch_size=4", "optim.lr=1e-2")
+  tiny_cc += ("model.base_width=16", "model.base_depth=1", "model.parametrization=completep")
+
+  def run(widths, depths):
+    make = lambda w, d: load_config(
+      None, [*tiny_cc, f"model.width={w or 16}", f"model.depth={d or 1}"]
+    )
+    df = cc.run(make, widths, depths, 2, progress=False)
+    return cc.verdicts(df).set_index(["axis", "quantity"])
+
+  right = run([16, 64], [1, 4])
+  for axis in ("width", "depth"):
+    assert right.verdict[axis, "act_rms"] == right.verdict[axis, "act_delta_rms"] == "flat"
+  assert right.verdict["width", "param_delta_rms"] == "shrinking"  # hidden updates ~1/width
+  monkeypatch.setattr(mp, "branch_multiplier", lambda cfg: 1.0)
+  no_branch = run([], [1, 4])
+  assert no_branch.verdict["depth", "act_delta_rms"] == "growing", no_branch
+  monkeypatch.undo()
+  lr = mp.multipliers
+
+  def no_width_lr(cfg, label):
+    m = lr(cfg, label)
+    wide = label.endswith(("hidden", "readout"))
+    return {**m, "lr": m["lr"] * mp.factors(cfg)[0]} if wide else m
+
+  monkeypatch.setattr(mp, "multipliers", no_width_lr)
+  no_lr = run([16, 64], [])
+  assert no_lr.verdict["width", "act_delta_rms"] == "growing", no_lr
+  assert no_lr.slope["width", "act_delta_rms"] > right.slope["width", "act_delta_rms"] + 0.5
+
+
+@pytest.mark.slow
+def test_completep_sharded_matches_one_device_and_resumes_exactly(tmp_path):
+  base = [*SCALED, "model.mixer=hc", "model.mixer_options={n: 2}", "model.depth=2"]
+  base += ["train.steps=4", "train.ckpt_every=2", "optim.independent_wd=true"]
+  base += ["optim.weight_decay=1e-3"]
+  train(prepare(tiny(*base, "mesh.data=1"), jax.devices()[:1]), tmp_path / "one", progress=False)
+  mesh = prepare(tiny(*base, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"))
+  train(mesh, tmp_path / "mesh", progress=False)
+  loss = lambda run: [r["loss"] for r in logs.read_jsonl(run / "metrics.jsonl")]
+  np.testing.assert_allclose(loss(tmp_path / "mesh"), loss(tmp_path / "one"), rtol=1e-5)
+  shutil.copytree(tmp_path / "mesh", tmp_path / "resumed")
+  shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "4")
+  train(mesh, tmp_path / "resumed", resume=True, progress=False)
+  assert loss(tmp_path / "resumed") == loss(tmp_path / "mesh")
+  import orbax.checkpoint as ocp
+
+  read = lambda run: ocp.StandardCheckpointer().restore(run / "checkpoints" / "4" / "state")
+  jax.tree.map(np.testing.assert_array_equal, read(tmp_path / "resumed"), read(tmp_path / "mesh"))
+
+
+@pytest.mark.slow
+def test_a_population_over_lr_under_completep_matches_its_separate_run(tmp_path):
+  """The lr a population member gets is a traced array: the multipliers still apply to it."""
+  sweep = {
+    "name": "pop",
+    "base": str(DEBUG),
+    "set": {"train.steps": 3, "train.diag_every": 0, "model.depth": 2, "model.mixer": "hc"},
+    "axes": {"optim.lr": [3e-3, 3e-2]},
+    "population": ["optim.lr"],
+  }
+  sweep["set"] |= {"model.mixer_options": {"n": 2}, "model.parametrization": "completep"}
+  sweep["set"] |= {"model.base_width": 8, "model.base_depth": 1}
+  (tmp_path / "pop.yaml").write_text(yaml.safe_dump(sweep))
+  argv = ["sweep", str(tmp_path / "pop.yaml"), "--out", str(tmp_path / "pop"), "--quiet"]
+  assert cli.main(argv) == 0
+  cfg = load_config(tmp_path / "pop" / "runs" / "lr=0.03" / "config.yaml")
+  assert cfg.model.parametrization == "completep" and cfg.optim.lr == 3e-2
+  train(prepare(cfg), tmp_path / "sep", progress=False)
+  pop, sep = (
+    logs.load_run(d)["loss"].to_numpy() for d in (tmp_path / "pop/runs/lr=0.03", tmp_path / "sep")
+  )
+  np.testing.assert_allclose(pop, sep, rtol=1e-5)
+  other = logs.load_run(tmp_path / "pop/runs/lr=0.003")["loss"].to_numpy()
+  assert not np.allclose(other[1:], pop[1:])
+
+
+NO_ROLES = """
+import jax.numpy as jnp
+import flax.linen as nn
+from mhc_jax.mixers import Mixer
+from mhc_jax.mixers.base import make_stats, param
+
+
+class Gate(Mixer):
+  def layer_params(self, width):
+    return 1
+
+  @nn.compact
+  def __call__(self, x, sublayer, layer=0):
+    g = param(self, "gate", nn.initializers.ones, (1,), (None,))
+    f = sublayer(x[..., 0, :])
+    out = x + (g * f)[..., None, :]
+    return out, make_stats(x, out, f, jnp.eye(1), jnp.ones((1,)), g)
+
+
+class Partial(Gate):
+  param_roles = {"other": "scalar"}
+"""
+
+
+@pytest.fixture
+def user_mixers(tmp_path, monkeypatch):
+  (tmp_path / "norolemix.py").write_text(textwrap.dedent(NO_ROLES))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  yield
+  import sys
+
+  sys.modules.pop("norolemix", None)
+
+
+@pytest.mark.parametrize(
+  "sets,message",
+  [
+    (
+      ["model.parametrization=mUP"],
+      "model.parametrization: expected one of 'sp', 'mup', 'complete",
+    ),
+    (["model.parametrization=mup", "model.base_width=0"], "model.base_width: must be >= 1, got 0"),
+    (["model.base_depth=0"], "model.base_depth: must be >= 1, got 0"),
+    (
+      ["model.parametrization=completep", "model.mixer=norolemix:Gate"],
+      "model.parametrization: 'completep' needs the mixer's parameter roles; norolemix:Gate",
+    ),
+    (
+      ["model.parametrization=mup", "model.mixer=norolemix:Partial"],
+      "model.parametrization: mup needs a role for every parameter; blocks/attn_mix/gate",
+    ),
+  ],
+)
+def test_bad_input_is_one_error_line_naming_the_key(sets, message, user_mixers, tmp_path, capsys):
+  out = tmp_path / "run"
+  assert cli.main(["train", "--config", str(DEBUG), "--set", *sets, "--out", str(out)]) == 2
+  err = capsys.readouterr().err
+  assert err.count("error:") == 1 and message in err, err
+  assert not out.exists()
+  # sp ignores the roles: the same mixers train under it
+  load_config(DEBUG, ["model.mixer=norolemix:Gate"])
+
+
+def test_coord_check_names_a_bad_parametrization(tmp_path, capsys):
+  args = ["coord-check", "residual", "--parametrization", "cp", "--out", str(tmp_path / "cc")]
+  assert cli.main(args) == 2
+  assert "error: model.parametrization: expected one of" in capsys.readouterr().err
+  assert not (tmp_path / "cc").exists()
+
+
+def test_sp_configs_hash_as_before_the_keys_existed():
+  """The run directories and sweep resume of every earlier run keep their hashes."""
+  from mhc_jax.train.config import Config, config_hash
+
+  assert config_hash(Config()) == "6b19465d1c"  # tests/test_config.py HASHES
+  assert config_hash(tiny("model.base_width=64")) == config_hash(tiny())  # sp ignores it
+  assert config_hash(tiny(*SCALED)) != config_hash(tiny(*SCALED, "model.depth_alpha=0.5"))
+  assert config_hash(tiny(*SCALED)) != config_hash(tiny())
