@@ -804,20 +804,21 @@ def edge_chart(lr_tab: pd.DataFrame, path, *, families: dict, dpi: int = 110) ->
     sharey=True,
   )
   cols = ["best_lr", "largest_working_lr", "first_failing_lr"]
-  top = float(np.nanmax(lr_tab[cols].to_numpy(float)))
+  low, top = np.nanmin(lr_tab[cols].to_numpy(float)), np.nanmax(lr_tab[cols].to_numpy(float))
   for ax, d in zip(axes[0], depths):
     for r in lr_tab[lr_tab["depth"] == d].itertuples():
       y = row[r.arm]
       ax.plot(
         [r.best_lr, r.largest_working_lr], [y, y], color="#1f77b4", lw=3, solid_capstyle="butt"
       )
-      ax.plot([r.best_lr], [y], "o", color="#1f77b4", ms=4)
+      dead = not np.isfinite(r.largest_working_lr)  # the best lr's own runs failed
+      ax.plot([r.best_lr], [y], "o", color="#999999" if dead else "#1f77b4", ms=4)
       if r.first_failure in _FAIL_MARKS:
         ax.plot([r.first_failing_lr], [y], ls="", ms=7, **_FAIL_MARKS[r.first_failure])
       elif np.isfinite(r.largest_working_lr):  # nothing failed above the best lr
         ax.plot([r.largest_working_lr * 1.6], [y], ">", color="#2ca02c", ms=6)
     ax.set(xscale="log", title=f"depth {d}", xlabel="learning rate")
-    ax.set_xlim(right=top * 3)
+    ax.set_xlim(low / 2, top * 3)  # one range in every depth's panel
     _plain_log_ticks(ax)
   sens = axes[0][-1]
   for k, d in enumerate(depths):
@@ -854,9 +855,10 @@ def edge_chart(lr_tab: pd.DataFrame, path, *, families: dict, dpi: int = 110) ->
   handles = [Line2D([], [], ls="", ms=7, **m) for m in _FAIL_MARKS.values()]
   handles += [Line2D([], [], ls="", marker=">", color="#2ca02c", label="above the grid")]
   handles += [
-    Line2D([], [], color="#1f77b4", lw=3, marker="o", ms=4, label="best .. largest working lr")
+    Line2D([], [], color="#1f77b4", lw=3, marker="o", ms=4, label="best .. largest working lr"),
+    Line2D([], [], ls="", marker="o", color="#999999", ms=4, label="best lr, failed too"),
   ]
   fig.legend(
-    handles=handles, loc="outside lower center", ncols=5, fontsize=8, title="first failing lr"
+    handles=handles, loc="outside lower center", ncols=6, fontsize=8, title="first failing lr"
   )
   return _save(fig, path, dpi)
