@@ -66,6 +66,7 @@ class PeriLN(Mixer):
   def __call__(self, x_BTnC, sublayer, layer=0):
     x = single_stream("peri_ln", x_BTnC)
     f_BTC = sublayer(x)
-    out = x.astype(jnp.float32) + learned_rms_norm(self, f_BTC, eps=self.eps)
+    branch = getattr(sublayer, "branch", 1.0)  # its norm undoes the model's m_L^-alpha: again
+    out = x.astype(jnp.float32) + learned_rms_norm(self, f_BTC, eps=self.eps) * branch
     out = out[..., None, :].astype(x_BTnC.dtype)
     return out, stream_stats(x_BTnC, out, f_BTC)

@@ -118,6 +118,8 @@ class Block(nn.Module):
     def mlp_sub(h, value_fn=None):
       return scaled(mlp(mlp_norm(h)))
 
+    attn_sub.branch = mlp_sub.branch = branch  # for a mixer that norms F (peri_ln)
+
     if probe is not None:
       state = _add(state, jax.tree.map(lambda p: p[0], probe))
     state, s_attn = attn_mix(state, attn_sub, 2 * i)
