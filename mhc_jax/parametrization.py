@@ -17,9 +17,10 @@ to a base model: ``m_d = width / base_width``, ``m_L = depth / base_depth``, ``�
 
 and for every parameter Adam's ε ``× m_d^-1 m_L^-α``, every branch output ``× m_L^-α``, the
 logits ``× 1/m_d`` (both forms: ``h·W / (sqrt(base_width) m_d)``, ``W`` the tied embedding or
-``sqrt(base_width)`` x the untied head, entries ~1). The lr multipliers act on Adam's update (optax ``multi_transform`` over the
-labels), the weight decay's on the decay term inside it (coupled: ``lr·wd``; independent: per
-step), so the decay a hidden matrix gets per step is ``m_L^(α-1)`` of the base's in both.
+``sqrt(base_width)`` x the untied head, entries ~1). The lr multipliers act on Adam's update
+(optax ``multi_transform`` over the labels), the weight decay's on the decay term inside it
+(coupled: ``lr·wd``; independent: per step), so the decay a hidden matrix gets per step is
+``m_L^(α-1)`` of the base's in both.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import optax
 from mhc_jax import mixers
 from mhc_jax.errors import ConfigError
 
-NAMES = ("sp", "mup", "completep")
 ROLES = ("embedding", "output", "hidden", "readout", "norm", "scalar", "res", "res_readout")
 MIXER_ROLES = ROLES[2:]  # what a mixer's param_roles may name
 LABELS = tuple(f"{where}/{r}" for where in ("block", "top") for r in ROLES)
@@ -99,9 +99,10 @@ def labels(params, cfg):
     keys = _keys(path)
     r = role(keys, roles)
     if r not in ROLES:
+      has = "none" if r is None else f"{r!r}, not one of {', '.join(ROLES)}"
       raise ConfigError(
         f"model.parametrization: {cfg.parametrization} needs a role for every parameter; "
-        f"{'/'.join(keys)} of mixer {cfg.mixer!r} has {r!r} (param_roles: docs/parametrization.md)"
+        f"{'/'.join(keys)} of mixer {cfg.mixer!r} has {has} (param_roles: docs/parametrization.md)"
       )
     inside = any(k == "blocks" or k.startswith("block_") for k in keys)
     return f"{'block' if inside else 'top'}/{r}"

@@ -85,8 +85,11 @@ def test_cli_writes_the_csv_and_plot_and_prints_verdicts(tmp_path, capsys):
   out = tmp_path / "cc"
   sets = ["model.depth=1", "model.width=16", "model.heads=2", "data.seq_len=8", "data.batch_size=4"]
   argv = ["coord-check", "residual", "--set", *sets, "--widths", "16,32", "--depths", "1,2"]
+  argv += ["--parametrization", "mup", "--set", "model.base_width=8"]
   assert cli.main([*argv, "--steps", "1", "--out", str(out), "--quiet"]) == 0
   lines = capsys.readouterr().out.splitlines()
+  # the base: the smallest depth checked, the width --set gave (docs/parametrization.md)
+  assert lines[0] == "residual under mup (base width 8, depth 1)"
   assert sum(" against width: " in ln for ln in lines) == 3
   assert sum(" against depth: " in ln for ln in lines) == 3
   df = pd.read_csv(out / "coord_check.csv")
