@@ -45,7 +45,7 @@ if [ "$TOY" = 1 ]; then
   ATTN=2x2x16x8
   TIMING=(--steps 1 --warmup 1)
   STUDY=(--steps 1 --warmup 1 --set model.width=16 model.heads=2 model.depth=1
-    data.batch_size=8 data.seq_len=24 data.eval_batches=0)  # 8: the tests' 8 CPU devices
+    data.batch_size=8 data.seq_len=40 data.eval_batches=0)  # 8: the tests' 8 CPU devices; 40: 19 bijection pairs
   LIMIT_STEP=300 LIMIT_STUDY=300
   DESC="toy size (--toy)"
 else

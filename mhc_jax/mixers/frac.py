@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from mhc_jax.mixers.base import Mixer, make_stats, param, rms_norm
+from mhc_jax.mixers.hc import HyperConnection
 
 
 def split_fracs(x_BTC, m: int):
@@ -46,13 +47,7 @@ class FracConnection(Mixer):
   collapse: str = "concat"
   dynamic: bool = True
   alpha_init: float = 0.01
-  param_roles = {
-    "b_mix": "res",
-    "w_mix": "res_readout",
-    "b_*": "scalar",
-    "s_*": "scalar",
-    "w_*": "readout",
-  }
+  param_roles = HyperConnection.param_roles  # HC's parameters, on fractions of the width
 
   def expand(self, x_BTC):
     return split_fracs(x_BTC, self.n)

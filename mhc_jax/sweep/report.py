@@ -248,6 +248,23 @@ def _cell(v: Any) -> Any:
   return json.dumps(v) if isinstance(v, (list, dict, tuple)) else v
 
 
+def study_cli(argv, doc: str, here, flags=()) -> tuple[Path, Path, Any]:
+  """A study analysis's command line, ``SOURCE [--out DIR]`` (and ``flags``: ``(name, kwargs)``
+  pairs): (source, the output folder, made: beside a runs.csv, else ``here``; the arguments)."""
+  import argparse
+
+  ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
+  ap.add_argument("--out", default=None)
+  for name, kw in flags:
+    ap.add_argument(name, **kw)
+  args = ap.parse_args(argv)
+  src = Path(args.source)
+  out = Path(args.out or (src.parent if src.suffix == ".csv" else here))
+  out.mkdir(parents=True, exist_ok=True)
+  return src, out, args
+
+
 def study_runs(source) -> pd.DataFrame:
   """A stability study's runs (``lrmap``'s rows): its committed runs.csv (to recompute from),
   or :func:`lrmap.runs_table` of a sweep directory's :func:`summary_table` with each run's

@@ -25,11 +25,12 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # numpy's SVD thrashes on a busy 2-core VM
 
-import argparse  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+
+from mhc_jax.sweep import report  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 KEY_FACTOR = 1.5  # K: layer-0 token-key |cos| <= its random-direction null / 1.5
@@ -184,15 +185,9 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--batches", type=int, default=8, help="eval batches of a missing series")
-  args = ap.parse_args(argv)
-  src = Path(args.source)
+  flags = [("--batches", dict(type=int, default=8, help="eval batches of a missing series"))]
+  src, out, args = report.study_cli(argv, __doc__, HERE, flags)
   runs = pd.read_csv(src) if src.suffix == ".csv" else collect(src, args.batches)
-  out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
-  out.mkdir(parents=True, exist_ok=True)
   if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
     runs.to_csv(out / "runs.csv", index=False)
   by_step(runs).to_csv(out / "by_step.csv", index=False)

@@ -29,7 +29,6 @@ Writes into ``--out`` (default: beside runs.csv, or docs/studies/lr_curves):
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import pandas as pd
@@ -71,16 +70,10 @@ def tables(runs: pd.DataFrame, arms=ARMS, refs=()) -> tuple[pd.DataFrame, pd.Dat
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  src = Path(args.source)
+  src, out, _ = report.study_cli(argv, __doc__, HERE)
   runs = report.study_runs(src)
   upgrade = "baseline" not in runs
   runs = report.with_baseline(runs, **DATA) if upgrade else runs
-  out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
-  out.mkdir(parents=True, exist_ok=True)
   write(runs, out, FAMILIES, rewrite=upgrade or (out / "runs.csv").resolve() != src.resolve())
   return 0
 

@@ -14,7 +14,6 @@ width x depth heatmaps, one column per arm, one colour scale per quantity).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 from mhc_jax.sweep import lrmap, plots, report, stats
@@ -31,16 +30,10 @@ DATA = dict(seq_len=64, batch_size=8, eval_batches=8, val_fraction=0.05)
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  src = Path(args.source)
+  src, out, _ = report.study_cli(argv, __doc__, HERE)
   runs = report.study_runs(src)
   upgrade = "baseline" not in runs
   runs = report.with_baseline(runs, **DATA) if upgrade else runs
-  out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
-  out.mkdir(parents=True, exist_ok=True)
   phase = lrmap.phase_table(runs)
   if upgrade or (out / "runs.csv").resolve() != src.resolve():  # else left as it is
     runs.to_csv(out / "runs.csv", index=False)

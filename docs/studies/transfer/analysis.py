@@ -21,7 +21,6 @@ Writes into ``--out`` (default: beside runs.csv, or docs/studies/transfer):
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
@@ -125,14 +124,8 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  src = Path(args.source)
+  src, out, _ = report.study_cli(argv, __doc__, HERE)
   runs = report.study_runs(src)
-  out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
-  out.mkdir(parents=True, exist_ok=True)
   if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
     runs.to_csv(out / "runs.csv", index=False)
   best_table(runs).to_csv(out / "best_lr.csv", index=False)

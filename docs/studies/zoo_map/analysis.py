@@ -14,7 +14,6 @@ seed at each arm's own best lr), ``mechanism.csv``, ``lr_curves.png``, ``stable_
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 from pathlib import Path
 
@@ -43,16 +42,10 @@ def _lr_curves():
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("source", help="the zoo_map sweep directory, or a runs.csv to recompute from")
-  ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
-  src = Path(args.source)
+  src, out, _ = report.study_cli(argv, __doc__, HERE)
   runs = report.study_runs(src)
   if src.suffix != ".csv":  # the sweep's runs join the committed lr_curves rows
     runs = pd.concat([pd.read_csv(LR_CURVES / "runs.csv"), runs], ignore_index=True)
-  out = Path(args.out or (src.parent if src.suffix == ".csv" else HERE))
-  out.mkdir(parents=True, exist_ok=True)
   rewrite = (out / "runs.csv").resolve() != src.resolve()
   _lr_curves().write(runs, out, FAMILIES, refs=REFS, rewrite=rewrite)
   return 0
