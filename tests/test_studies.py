@@ -214,3 +214,42 @@ def test_geometry_pilot_decision_from_planted_runs(tmp_path):
   steps = pd.read_csv(tmp_path / "by_step.csv")
   assert steps[steps["setting"] == "tied"]["exists"].tolist() == [False, True, True]
   assert (tmp_path / "signatures.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_zoo_map_tables_recompute_from_runs_csv(tmp_path):
+  """docs/studies/zoo_map: the 18-arm map (all 15 designs) recomputed from its committed
+  runs.csv; every arm has every depth x lr x seed, the seeds pair across arms, and the failure
+  column is the rule's on the stored losses."""
+  from mhc_jax.sweep import lrmap
+
+  here = STUDIES / "zoo_map"
+  mod = _analysis("zoo_map")
+  assert mod.main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
+  for name in ("lr_sensitivity.csv", "paired_best_lr.csv", "mechanism.csv"):
+    pd.testing.assert_frame_equal(
+      pd.read_csv(tmp_path / name), pd.read_csv(here / name), check_dtype=False, rtol=1e-9
+    )
+  runs = pd.read_csv(here / "runs.csv")
+  arms = [a for fam in mod.FAMILIES.values() for a in fam]
+  assert len(arms) == 18 and set(runs["arm"]) == set(arms) and len(runs) == 18 * 63
+  seeds = runs.groupby(["arm", "depth", "lr"])["seed"].apply(lambda v: sorted(v) == [0, 1, 2])
+  assert seeds.all() and len(seeds) == 18 * 21
+  assert list(runs["failure"]) == list(lrmap.failure(runs))
+  paired = pd.read_csv(here / "paired_best_lr.csv")
+  assert (paired["a"].isin(mod.REFS) | paired["b"].isin(mod.REFS)).all()
+  assert {"edges.png", "lr_curves.png", "stable_lr.png"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_zoo_controls_table_recomputes_from_its_runs():
+  """controls.csv (the warm-up + clipping follow-up beside zoo_map's stress runs) from the
+  committed rows; DeepNorm at depth 16, lr 0.01 trains far better with warm-up and clipping."""
+  here = STUDIES / "zoo_map"
+  mod = _analysis("zoo_map")  # the folder's second script, controls.py
+  spec = importlib.util.spec_from_file_location("zoo_controls", here / "controls.py")
+  ctl = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(ctl)
+  tab = ctl.table(pd.read_csv(here / "controls_runs.csv"), pd.read_csv(here / "runs.csv"))
+  pd.testing.assert_frame_equal(tab, pd.read_csv(here / "controls.csv"), check_dtype=False)
+  assert len(tab) == 18 and (tab["n_seeds"] == 2).all() and mod.REFS == ("residual", "mhc")
+  dn = tab.set_index(["arm", "depth", "lr"]).loc[("deepnorm", 16, 0.01)]
+  assert dn["below_baseline_warm"] > dn["below_baseline_stress"] + 0.3
