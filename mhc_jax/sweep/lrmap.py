@@ -114,7 +114,7 @@ def lr_table(runs: pd.DataFrame, by: list[str] = BY, endpoint: str = ENDPOINT) -
       | {"loss_at_best": at, "loss_at_best_ci_lo": lo, "loss_at_best_ci_hi": hi}
       | {"lr_sensitivity": sens, "lr_sensitivity_ci_lo": s_lo, "lr_sensitivity_ci_hi": s_hi}
       | {"largest_working_lr": working, "first_failing_lr": first_fail}
-      | {"first_failure": _kind(failed[first_fail]) if first_fail == first_fail else ""}
+      | {"first_failure": "" if math.isnan(first_fail) else _kind(failed[first_fail])}
       | {f"n_{k}": int((g["_f"] == k).sum()) for k in ("diverged", "no_training")}
       | {"largest_stable_lr": stable, "first_unstable_lr": first}
     )

@@ -265,6 +265,13 @@ def study_cli(argv, doc: str, here, flags=()) -> tuple[Path, Path, Any]:
   return src, out, args
 
 
+def save_runs(runs: pd.DataFrame, src: Path, out: Path, changed: bool = False) -> None:
+  """Write ``out/runs.csv``, unless that file is the source being recomputed from and nothing
+  was added to it (a CSV round trip rewrites floats' last digits)."""
+  if changed or (out / "runs.csv").resolve() != src.resolve():
+    runs.to_csv(out / "runs.csv", index=False)
+
+
 def study_runs(source) -> pd.DataFrame:
   """A stability study's runs (``lrmap``'s rows): its committed runs.csv (to recompute from),
   or :func:`lrmap.runs_table` of a sweep directory's :func:`summary_table` with each run's

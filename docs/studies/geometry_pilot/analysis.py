@@ -188,8 +188,7 @@ def main(argv=None) -> int:
   flags = [("--batches", dict(type=int, default=8, help="eval batches of a missing series"))]
   src, out, args = report.study_cli(argv, __doc__, HERE, flags)
   runs = pd.read_csv(src) if src.suffix == ".csv" else collect(src, args.batches)
-  if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
-    runs.to_csv(out / "runs.csv", index=False)
+  report.save_runs(runs, src, out)
   by_step(runs).to_csv(out / "by_step.csv", index=False)
   dec = decision(runs)
   dec.to_csv(out / "decision.csv", index=False)

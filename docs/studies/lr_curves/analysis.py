@@ -74,16 +74,15 @@ def main(argv=None) -> int:
   runs = report.study_runs(src)
   upgrade = "baseline" not in runs
   runs = report.with_baseline(runs, **DATA) if upgrade else runs
-  write(runs, out, FAMILIES, rewrite=upgrade or (out / "runs.csv").resolve() != src.resolve())
+  report.save_runs(runs, src, out, changed=upgrade)
+  write(runs, out, FAMILIES)
   return 0
 
 
-def write(runs, out: Path, families: dict, refs=(), rewrite: bool = True) -> pd.DataFrame:
+def write(runs, out: Path, families: dict, refs=()) -> pd.DataFrame:
   """Every table and figure of the module doc from ``runs`` into ``out`` (arms in the order of
   ``families``; pairs as :func:`tables`); returns the lr table."""
   lr_tab, paired = tables(runs, [a for fam in families.values() for a in fam], refs)
-  if rewrite:  # recomputing leaves the source as it is (a CSV round trip rewrites float digits)
-    runs.to_csv(out / "runs.csv", index=False)
   lr_tab.to_csv(out / "lr_sensitivity.csv", index=False)
   paired.to_csv(out / "paired_best_lr.csv", index=False)
   mechanism(runs).to_csv(out / "mechanism.csv", index=False)

@@ -35,8 +35,7 @@ def main(argv=None) -> int:
   upgrade = "baseline" not in runs
   runs = report.with_baseline(runs, **DATA) if upgrade else runs
   phase = lrmap.phase_table(runs)
-  if upgrade or (out / "runs.csv").resolve() != src.resolve():  # else left as it is
-    runs.to_csv(out / "runs.csv", index=False)
+  report.save_runs(runs, src, out, changed=upgrade)
   phase.to_csv(out / "phase.csv", index=False)
   plots.heatmaps(
     phase, out / "phase_map.png", x="width", y="depth", values=SHOWN, panel="arm", log=SHOWN[2:3]

@@ -126,8 +126,7 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
 def main(argv=None) -> int:
   src, out, _ = report.study_cli(argv, __doc__, HERE)
   runs = report.study_runs(src)
-  if (out / "runs.csv").resolve() != src.resolve():  # recomputing leaves the source as it is
-    runs.to_csv(out / "runs.csv", index=False)
+  report.save_runs(runs, src, out)
   best_table(runs).to_csv(out / "best_lr.csv", index=False)
   tab = transfer_table(runs)
   tab.to_csv(out / "transfer.csv", index=False)

@@ -46,8 +46,8 @@ def main(argv=None) -> int:
   runs = report.study_runs(src)
   if src.suffix != ".csv":  # the sweep's runs join the committed lr_curves rows
     runs = pd.concat([pd.read_csv(LR_CURVES / "runs.csv"), runs], ignore_index=True)
-  rewrite = (out / "runs.csv").resolve() != src.resolve()
-  _lr_curves().write(runs, out, FAMILIES, refs=REFS, rewrite=rewrite)
+  report.save_runs(runs, src, out)
+  _lr_curves().write(runs, out, FAMILIES, refs=REFS)
   return 0
 
 
