@@ -35,6 +35,7 @@ def measure(setup, steps: int) -> list[tuple]:
   stream = lambda p: sown(p)["intermediates"]["blocks"]["stream"][0].reshape(L, -1)
   streams = jax.jit(lambda p: stream(p).astype(jnp.float32))
   rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a), axis=1))
+  attn_max = jax.jit(lambda p: program.model.apply(p, x)[1]["attn_logit_max"])  # [L]
   p0, s0 = jax.device_get(state.params["params"]["blocks"]), streams(state.params)
   per_block = sum(a[0].size for a in jax.tree.leaves(p0))
   rows = []
@@ -43,7 +44,8 @@ def measure(setup, steps: int) -> list[tuple]:
       state, _ = program.step(state, None, t - 1, False)  # donates the old state
     s, blocks = streams(state.params), state.params["params"]["blocks"]
     dp = tree_layer_norms(jax.tree.map(jnp.subtract, blocks, p0)) / np.sqrt(per_block)
-    for q, v in (("act_rms", rms(s)), ("act_delta_rms", rms(s - s0)), ("param_delta_rms", dp)):
+    quantities = [("act_rms", rms(s)), ("act_delta_rms", rms(s - s0)), ("param_delta_rms", dp)]
+    for q, v in [*quantities, ("attn_logit_max", attn_max(state.params))]:
       rows += [(layer, q, t, float(val)) for layer, val in enumerate(np.asarray(v))]
   return rows
 

@@ -17,7 +17,8 @@ to a base model: ``m_d = width / base_width``, ``m_L = depth / base_depth``, ``�
 
 and for every parameter Adam's ε ``× m_d^-1 m_L^-α``, every branch output ``× m_L^-α``, the
 logits ``× 1/m_d`` (both forms: ``h·W / (sqrt(base_width) m_d)``, ``W`` the tied embedding or
-``sqrt(base_width)`` x the untied head, entries ~1). The lr multipliers act on Adam's update
+``sqrt(base_width)`` x the untied head, entries ~1), and with ``base_head_dim`` set the attention
+logits ``× sqrt(base_head_dim / head_dim)`` (µP's ``1/head_dim``). The lr multipliers act on Adam's update
 (optax ``multi_transform`` over the labels), the weight decay's on the decay term inside it
 (coupled: ``lr·wd``; independent: per step), so the decay a hidden matrix gets per step is
 ``m_L^(α-1)`` of the base's in both.
@@ -57,6 +58,16 @@ def logit_multiplier(cfg) -> float:
   """``1/m_d`` of the base's: tied logits ``h·E/sqrt(width)`` already have ``m_d^-1/2`` of it."""
   m_d = factors(cfg)[0]
   return m_d**-0.5 if cfg.tied_embeddings else 1.0 / m_d
+
+
+def query_multiplier(cfg) -> float:
+  """µP's ``1/head_dim`` attention, as a factor on the queries: logits ``q·k / sqrt(d)`` become
+  ``q·k sqrt(b) / d`` (``b = base_head_dim``; equal to sp's at ``d = b``). 1 under sp or when
+  ``base_head_dim`` is unset (the head dim held, heads growing with width)."""
+  b = getattr(cfg, "base_head_dim", None)
+  if cfg.parametrization == "sp" or b is None:
+    return 1.0
+  return (b / (cfg.width // cfg.heads)) ** 0.5
 
 
 def eps_multiplier(cfg) -> float:

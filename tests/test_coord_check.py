@@ -58,7 +58,11 @@ def test_an_init_growing_with_width_grows_and_the_standard_init_stays_flat(tmp_p
   # width 16 is the same model in both; at step 0 every change is zero
   at16 = lambda df: df[df.width == 16].set_index(["layer", "quantity", "step"]).value
   np.testing.assert_allclose(at16(grows), at16(flat))
-  assert (flat[(flat.step == 0) & (flat.quantity != "act_rms")].value == 0).all()
+  changes = flat[(flat.step == 0) & flat.quantity.str.contains("delta")]
+  assert len(changes) and (changes.value == 0).all()
+  # the attention's largest logit: finite, positive, and moved by training
+  logit = flat[flat.quantity == "attn_logit_max"].set_index(["width", "step"]).value
+  assert np.isfinite(logit).all() and (logit > 0).all() and logit[64, 2] != logit[64, 0]
   cc.plot(pd.concat([grows, flat.assign(axis="depth", depth=flat.width)]), tmp_path / "p.png")
   assert (tmp_path / "p.png").stat().st_size > 1000
 
@@ -90,12 +94,12 @@ def test_cli_writes_the_csv_and_plot_and_prints_verdicts(tmp_path, capsys):
   lines = capsys.readouterr().out.splitlines()
   # the base: the smallest depth checked, the width --set gave (docs/parametrization.md)
   assert lines[0] == "residual under mup (base width 8, depth 1)"
-  assert sum(" against width: " in ln for ln in lines) == 3
-  assert sum(" against depth: " in ln for ln in lines) == 3
+  assert sum(" against width: " in ln for ln in lines) == 4
+  assert sum(" against depth: " in ln for ln in lines) == 4
   df = pd.read_csv(out / "coord_check.csv")
   assert list(df.columns) == ["axis", "width", "depth", "layer", "quantity", "step", "value"]
   # quantities x steps 0, 1 x the blocks of widths 16, 32 (depth 1) and depths 1, 2 (width 16)
-  assert len(df) == 3 * 2 * (1 + 1 + 1 + 2) and np.isfinite(df.value).all()
+  assert len(df) == 4 * 2 * (1 + 1 + 1 + 2) and np.isfinite(df.value).all()
   assert set(df[df.axis == "depth"].width) == {16} and set(df[df.axis == "width"].depth) == {1}
   assert sorted(p.name for p in out.iterdir()) == ["coord_check.csv", "coord_check.png"]
 

@@ -174,6 +174,38 @@ def test_init_logits_take_the_same_width_factor_tied_and_untied():
     np.testing.assert_allclose(logits("mup", tied), 0.5 * logits("sp", tied), rtol=1e-5, atol=1e-6)
 
 
+def test_mup_attention_logits_take_sqrt_base_head_dim_over_head_dim():
+  """``model.base_head_dim`` set: µP's 1/head_dim attention, logits ``q·k sqrt(b) / d``: at
+  head dim 32 and b = 8 every attention logit is sp's x 1/2 (the same draws); b = d, b unset and
+  sp are sp's model bit for bit."""
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (4, 16), 0, 64)
+  base = ("model.vocab=64", "model.width=64", "model.heads=2", "model.base_width=64")
+
+  def apply(*sets):
+    model = Transformer(tiny(*base, *sets).model)
+    logits, aux = model.apply(model.init(jax.random.PRNGKey(0), tokens), tokens)
+    return np.asarray(logits), np.asarray(aux["attn_logit_max"])
+
+  sp_logits, sp_max = apply()
+  for same in (
+    ["model.parametrization=mup"],
+    ["model.parametrization=mup", "model.base_head_dim=32"],
+  ):
+    out = apply(*same)
+    np.testing.assert_array_equal(out[0], sp_logits)
+    np.testing.assert_array_equal(out[1], sp_max)
+  np.testing.assert_array_equal(apply("model.base_head_dim=8")[0], sp_logits)  # sp ignores it
+  mup_logits, mup_max = apply("model.parametrization=mup", "model.base_head_dim=8")
+  np.testing.assert_allclose(mup_max, 0.5 * sp_max, rtol=1e-6)
+  assert not np.allclose(mup_logits, sp_logits)
+  assert (
+    mp.query_multiplier(
+      tiny(*base, "model.parametrization=completep", "model.base_head_dim=128").model
+    )
+    == 2.0
+  )
+
+
 def test_the_optimizer_scales_each_labelled_update_by_its_multiplier():
   """Adam's first update is ~sign(g) (eps tiny, no decay): per label, -lr x the multiplier."""
   cfg = ModelConfig(mixer="hc", width=64, depth=8, base_width=32, parametrization="completep")
@@ -338,6 +370,10 @@ def user_mixers(tmp_path, monkeypatch):
     (["model.parametrization=mup", "model.base_width=0"], "model.base_width: must be >= 1, got 0"),
     (["model.base_depth=0"], "model.base_depth: must be >= 1, got 0"),
     (
+      ["model.parametrization=mup", "model.base_head_dim=0"],
+      "model.base_head_dim: must be >= 1, got 0",
+    ),
+    (
       ["model.parametrization=completep", "model.mixer=norolemix:Gate"],
       "model.parametrization: 'completep' needs the mixer's parameter roles; norolemix:Gate",
     ),
@@ -372,3 +408,7 @@ def test_sp_configs_hash_as_before_the_keys_existed():
   assert config_hash(tiny("model.base_width=64")) == config_hash(tiny())  # sp ignores it
   assert config_hash(tiny(*SCALED)) != config_hash(tiny(*SCALED, "model.depth_alpha=0.5"))
   assert config_hash(tiny(*SCALED)) != config_hash(tiny())
+  # base_head_dim unset: completep and mup runs keep the hashes they had before it existed
+  assert config_hash(tiny(*SCALED)) == "7b92f8f64e"
+  assert config_hash(tiny("model.parametrization=mup", "model.width=64")) == "02fc76bdb3"
+  assert config_hash(tiny(*SCALED, "model.base_head_dim=8")) != "7b92f8f64e"

@@ -185,6 +185,7 @@ class Attention(nn.Module):
   init_scale: float = 1.0
   implementation: str = "auto"
   logit_max: bool = True
+  q_scale: float = 1.0  # on the queries after the probes read them (µP's 1/head_dim attention)
 
   @nn.compact
   def __call__(self, x_BTC, value_fn=None):
@@ -217,6 +218,8 @@ class Attention(nn.Module):
       q, k = rope(q), rope(k)
     self.sow("intermediates", "q", q)
     self.sow("intermediates", "k", k)
+    if self.q_scale != 1.0:
+      q = q * jnp.asarray(self.q_scale, q.dtype)
     impl = resolve_attention(self.implementation, self.dtype, d, q.shape[-3])
     swap = lambda a: jnp.swapaxes(a, -3, -2)  # [B, T, H, D] <-> [B, H, T, D]
     if impl == "materialized":

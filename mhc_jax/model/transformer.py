@@ -104,6 +104,7 @@ class Block(nn.Module):
       cfg.init_scale,
       implementation=getattr(cfg, "attention", "auto"),
       logit_max=self.stats,  # a separate score product: diagnostic steps only
+      q_scale=mp.query_multiplier(cfg),
       name="attn",
     )
     mlp = MLP(int(cfg.width * cfg.mlp_ratio), dt, out_scale, cfg.init_scale, name="mlp")

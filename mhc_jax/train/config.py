@@ -205,6 +205,8 @@ class ModelConfig:
   base_width: int = Field(32, ge=1)  # the size the lr was tuned at: m_d = width / base_width
   base_depth: int = Field(2, ge=1)  # m_L = depth / base_depth (completep)
   depth_alpha: float = Field(1.0, ge=0)  # completep's alpha: 1 CompleteP, 0.5 depth-muP
+  # muP's 1/head_dim attention: logits x sqrt(base_head_dim / head_dim); None: head dim held
+  base_head_dim: int | None = Field(None, ge=1)
 
   @field_validator("mixer")
   @classmethod
@@ -569,6 +571,8 @@ def config_hash(cfg: Config, length: int = 10) -> str:
   if d["model"]["parametrization"] == "sp":  # sp ignores them: hashes as before they existed
     for k in ("parametrization", "base_width", "base_depth", "depth_alpha"):
       d["model"].pop(k)
+  if d["model"].get("base_head_dim", 0) is None:  # unset: hashes as before the key existed
+    d["model"].pop("base_head_dim")
   for section, keys in _RETIRED.items():
     d[section].update(keys)
   blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
