@@ -206,6 +206,31 @@ def test_mup_attention_logits_take_sqrt_base_head_dim_over_head_dim():
   )
 
 
+@pytest.mark.parametrize(
+  "mixer,averages",
+  [("attnres", True), ("laurel", True), ("laurel:rw_norm=none", False), ("residual", False)],
+)
+def test_mixers_that_average_their_branches_take_no_branch_multiplier(mixer, averages):
+  """At init only the branch multiplier depends on depth: completep at depth 4 over base 1
+  is its base-4 model exactly for a stream that averages its branches (attnres; laurel's
+  normalised residual weights), and not for one that sums them (laurel with rw_norm none)."""
+  name, _, opt = mixer.partition(":")
+  sets = [
+    "model.vocab=64",
+    "model.depth=4",
+    "model.parametrization=completep",
+    f"model.mixer={name}",
+  ]
+  sets += [f"model.mixer_options.{opt}"] if opt else []
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 16), 0, 64)
+
+  def logits(base_depth):
+    model = Transformer(tiny(*sets, f"model.base_depth={base_depth}").model)
+    return np.asarray(model.apply(model.init(jax.random.PRNGKey(0), tokens), tokens)[0])
+
+  assert np.array_equal(logits(1), logits(4)) == averages
+
+
 def test_the_optimizer_scales_each_labelled_update_by_its_multiplier():
   """Adam's first update is ~sign(g) (eps tiny, no decay): per label, -lr x the multiplier."""
   cfg = ModelConfig(mixer="hc", width=64, depth=8, base_width=32, parametrization="completep")

@@ -52,6 +52,8 @@ class AttnRes(Mixer):
   multi_stream = False
   param_roles = {"b_query": "readout", "b_key_scale": "norm"}
 
+  averages_branches = True  # a softmax average over the history, not a sum
+
   def hist_size(self) -> int:
     """The embedding plus one entry per block of ``block_size`` mixer layers."""
     if self.block_size < 1:

@@ -169,7 +169,9 @@ class Mixer(nn.Module):
   ``doubly_stochastic`` (an ``H_res`` claim ``mhc_jax.testing`` checks), ``pre_norm`` (the
   model norms the sublayer input; post-norm mixers set False and norm themselves),
   ``multi_stream`` (with ``n > 1`` the streams must separate under training: checked),
-  ``param_roles`` (every parameter's role under mup/completep: checked).
+  ``param_roles`` (every parameter's role under mup/completep: checked); the property
+  ``averages_branches`` (True: the stream is a bounded average of branch outputs, not their sum,
+  so completep's branch multiplier ``m_L^-α`` does not apply).
   """
 
   n: int = 1
@@ -184,6 +186,10 @@ class Mixer(nn.Module):
   # "readout", "scalar", "norm", "res" or "res_readout" (docs/parametrization.md); None declares
   # nothing (such a mixer runs under sp only).
   param_roles: ClassVar[dict[str, str] | None] = None
+
+  @property
+  def averages_branches(self) -> bool:
+    return False
 
   def expand(self, x_BTC: jax.Array):
     return jnp.broadcast_to(x_BTC[..., None, :], x_BTC.shape[:-1] + (self.n, x_BTC.shape[-1]))

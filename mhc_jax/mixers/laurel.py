@@ -39,6 +39,11 @@ class Laurel(Mixer):
   multi_stream = False
   param_roles = {"w_down": "res_readout", "w_up": "res", "b_rw": "res"}  # x + B A x: on the stream
 
+  @property
+  def averages_branches(self) -> bool:
+    """``x' = α F + β x`` with normalised weights (softmax, sigmoid) is an exponential average."""
+    return self._has()[0] and self.rw_norm != "none"
+
   def _has(self) -> tuple[bool, bool]:
     if self.variant not in ("rw", "lr", "rw_lr"):
       raise ValueError(f"laurel: variant must be 'rw', 'lr' or 'rw_lr', got {self.variant!r}")

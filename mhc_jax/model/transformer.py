@@ -108,7 +108,9 @@ class Block(nn.Module):
       name="attn",
     )
     mlp = MLP(int(cfg.width * cfg.mlp_ratio), dt, out_scale, cfg.init_scale, name="mlp")
-    logit_max, branch = [], mp.branch_multiplier(cfg)  # completep: m_L^-alpha
+    # completep: m_L^-alpha on each branch of a stream that sums them (not one that averages)
+    logit_max = []
+    branch = 1.0 if attn_mix.averages_branches else mp.branch_multiplier(cfg)
     scaled = (lambda y: y) if branch == 1 else (lambda y: y * branch)
 
     def attn_sub(h, value_fn=None):
