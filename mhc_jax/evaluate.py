@@ -492,12 +492,15 @@ def key_orthogonality_paper(cfg, source, params) -> dict:
   else:
     toks = np.arange(source.level_offset + source.n_levels)
     what = "observation symbols and levels"
-  tok = [probes.token_key_orthogonality(k) for k in token_keys(ap, toks)]
+  keys = token_keys(ap, toks)
+  tok = [probes.token_key_orthogonality(k) for k in keys]
+  centred = probes.token_key_orthogonality(keys[0], center=True)
   wk = [probes.weight_key_orthogonality(w) for w in ap["key"]]
   return {
     "definition": PAPER_DEFINITIONS["token_key_orthogonality"],
     "tokens": what,
     "layer0": {k: tok[0][k] for k in tok[0] if k != "cos"},
+    "layer0_centred": {k: v for k, v in centred.items() if k != "cos"},
     "cos_layer0": tok[0]["cos"],
     "random_mean_abs_cos": tok[0]["random_mean_abs_cos"],
     **_by_layer(tok, "mean_abs_cos", "ratio_to_random", "z"),
@@ -730,9 +733,11 @@ def signatures(cfg, source, params, it: dict, hb: dict, entropy) -> dict:
   qk = (qk_alignment_paper(cfg, source, it, hb).get("by_layer") or [{}])[-1]
   vm = value_manifold_paper(cfg, source, it, hb, entropy)
   new, r = vm["controls"].get("new_keys_within_position"), "abs_corr_pc1_entropy"
-  ko = key_orthogonality_paper(cfg, source, params)["layer0"]
+  ko = key_orthogonality_paper(cfg, source, params)
+  keys = ("mean_abs_cos", "random_mean_abs_cos", "random_std")
   return {
-    **_cols("key_cos", ko, "mean_abs_cos", "random_mean_abs_cos", "random_std"),
+    **_cols("key_cos", ko["layer0"], *keys),
+    **_cols("key_cos_centred", ko["layer0_centred"], *keys),
     **_cols("qk_slope", qk.get("slope"), "slope"),
     **_cols("qk_slope_wp", qk.get("slope_within_position"), "slope"),
     **_cols("value_r", vm, r),

@@ -298,9 +298,11 @@ def _against_random(per_head: np.ndarray, null: np.ndarray) -> dict:
   }
 
 
-def token_key_orthogonality(keys, *, draws: int = 200, seed: int = 0) -> dict:
+def token_key_orthogonality(keys, *, draws: int = 200, seed: int = 0, center=False) -> dict:
   """Paper I's key orthogonality: per head, mean |cos| between the keys `[V, H, D]` of the V
   hypothesis tokens' embeddings alone, uncentred, against V random directions in D dimensions.
+  `center`: the keys less their mean over the V tokens, against centred random directions (a
+  shared offset makes uncentred keys look aligned while their differences may be orthogonal).
 
   Also `mean_signed_cos_by_head`, `z`, `cos [V, V]` (heads concatenated),
   `concat_mean_abs_cos` and `concat_random_mean_abs_cos` (docs/windtunnel_results.md)."""
@@ -308,10 +310,11 @@ def token_key_orthogonality(keys, *, draws: int = 200, seed: int = 0) -> dict:
   if k.ndim != 3 or k.shape[0] < 2:
     raise ValueError(f"need keys [V >= 2, H, D], got {k.shape}")
   V, H, D = k.shape
+  k = k - k.mean(axis=0, keepdims=True) if center else k
   per_head = np.array([offdiag_abs_cos(k[:, h]) for h in range(H)])
   off = ~np.eye(V, dtype=bool)
   signed = np.array([float((_unit(k[:, h]) @ _unit(k[:, h]).T)[off].mean()) for h in range(H)])
-  null = random_abs_cos(V, D, draws=draws, seed=seed)
+  null = random_abs_cos(V, D, draws=draws, seed=seed, center=center)
   out = _against_random(per_head, null)
   flat = _unit(k.reshape(V, H * D))
   cos = flat @ flat.T

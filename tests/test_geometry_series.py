@@ -10,7 +10,7 @@ from mhc_jax.data.windtunnel import BijectionTask
 from mhc_jax.train import config as C
 from mhc_jax.train.loop import prepare, train
 
-SIGNATURES = ("key_cos", "qk_slope", "qk_slope_wp", "value_r", "value_r_new_wp")
+SIGNATURES = ("key_cos", "key_cos_centred", "qk_slope", "qk_slope_wp", "value_r", "value_r_new_wp")
 
 
 @pytest.fixture(scope="module")

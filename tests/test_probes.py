@@ -380,6 +380,13 @@ def test_planted_token_keys_orthogonal_found_gaussian_keys_at_chance():
   assert abs(noise["random_mean_abs_cos"] - np.sqrt(2 / (np.pi * D))) < 0.01
   shared = rng.standard_normal((1, H, D)) + 0.3 * rng.standard_normal((V, H, D))
   assert probes.token_key_orthogonality(shared)["ratio_to_random"] > 3  # keys in one direction
+  # centred over the tokens, the shared offset goes: Gaussian differences read at their null,
+  # and the planted axes behind a large shared offset read orthogonal again
+  centred = probes.token_key_orthogonality(shared, center=True, seed=1)
+  assert 0.85 < centred["ratio_to_random"] < 1.15
+  offset = planted + 3.0 * rng.standard_normal((1, H, D))
+  assert probes.token_key_orthogonality(offset)["ratio_to_random"] > 3
+  assert probes.token_key_orthogonality(offset, center=True)["ratio_to_random"] < 0.6
 
 
 def test_weight_key_orthogonality_orthogonal_columns_vs_gaussian():

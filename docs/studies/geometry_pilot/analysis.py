@@ -61,6 +61,7 @@ DEFAULTS = {"replacement": True, "supervise": "all", "tied_embeddings": True}
 #: (column, null column or None, threshold, title) of each panel of signatures.png
 PANELS = [
   ("key_cos", "key_cos_null", 1 / KEY_FACTOR, "K: layer-0 token-key |cos| / random"),
+  ("key_cos_centred", "key_cos_centred_null", 1 / KEY_FACTOR, "the same, keys centred (not ruled)"),
   ("value_r_new_wp", "value_r_new_wp_null", None, "|r(PC1, H)| new keys, within pos. / null"),
   ("value_r_new_wp_z", None, MIN_Z, "M: z of the above against its null"),
   ("qk_slope_wp_z", None, None, "q-k slope vs evidence within pos.: z"),
@@ -99,7 +100,10 @@ def with_rule(runs: pd.DataFrame) -> pd.DataFrame:
   """``key_ratio``, ``K``, ``M`` and ``geometry`` (K and M) per row (NaN counts as not met)."""
   ratio = runs["key_cos"] / runs["key_cos_null"]
   k, m = ratio <= 1 / KEY_FACTOR, runs["value_r_new_wp_z"] >= MIN_Z
-  return runs.assign(key_ratio=ratio, K=k, M=m, geometry=k & m)
+  centred = (
+    runs["key_cos_centred"] / runs["key_cos_centred_null"] if "key_cos_centred" in runs else np.nan
+  )
+  return runs.assign(key_ratio=ratio, key_ratio_centred=centred, K=k, M=m, geometry=k & m)
 
 
 def by_step(runs: pd.DataFrame) -> pd.DataFrame:
@@ -148,6 +152,7 @@ def decision(runs: pd.DataFrame) -> pd.DataFrame:
         "m_seeds": int(last["m_seeds"]),
         "key_ratio_by_seed": fmt("key_ratio", "%.3f"),
         "key_cos_null": float(sel["key_cos_null"].mean()),
+        "key_ratio_centred_by_seed": fmt("key_ratio_centred", "%.3f"),  # reported, not ruled
         "value_r_new_wp_by_seed": fmt("value_r_new_wp", "%.3f"),
         "value_r_new_wp_z_by_seed": fmt("value_r_new_wp_z", "%.1f"),
         "qk_slope_wp_z_by_seed": fmt("qk_slope_wp_z", "%.1f"),
@@ -164,9 +169,12 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+  panels = [p for p in PANELS if p[0] in runs]  # runs.csv from before a column existed
+  fig, axes = plt.subplots(2, 4, figsize=(19, 8), constrained_layout=True)
   colours = dict(zip(runs["setting"].unique(), plt.cm.tab10.colors))
-  for ax, (col, null, line, title) in zip(axes.flat, PANELS):
+  for ax in axes.flat[len(panels) :]:
+    ax.axis("off")
+  for ax, (col, null, line, title) in zip(axes.flat, panels):
     for (setting, seed), r in runs.sort_values(["step", "seed"], kind="stable").groupby(
       ["setting", "seed"], sort=False
     ):
@@ -179,7 +187,7 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
       ax.axhline(1.0, color="grey", lw=0.5)
     ax.set(title=title, xlabel="step")
   axes.flat[0].legend(fontsize=7)
-  axes.flat[4].set_yscale("log")
+  axes.flat[[p[0] for p in panels].index("kl_bits")].set_yscale("log")
   fig.savefig(path, dpi=110)
   plt.close(fig)
 
