@@ -216,6 +216,21 @@ def test_geometry_pilot_decision_from_planted_runs(tmp_path):
   assert (tmp_path / "signatures.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.parametrize("folder", ["geometry_pilot"])
+def test_geometry_pilot_decision_recomputes_from_its_runs(folder, tmp_path):
+  """docs/studies/geometry_pilot: decision.csv and by_step.csv recomputed from the committed
+  runs.csv by the pre-registered rule; every setting has both seeds at every checkpoint."""
+  here = STUDIES / folder
+  assert _analysis("geometry_pilot").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
+  for name in ("decision.csv", "by_step.csv"):
+    pd.testing.assert_frame_equal(
+      pd.read_csv(tmp_path / name), pd.read_csv(here / name), check_dtype=False, rtol=1e-9
+    )
+  runs = pd.read_csv(here / "runs.csv")
+  assert runs.groupby(["setting", "step"])["seed"].nunique().eq(2).all()
+  assert (runs["head_dim"] == 32).all() and runs["key_cos_null"].gt(0).all()
+
+
 def test_zoo_map_tables_recompute_from_runs_csv(tmp_path):
   """docs/studies/zoo_map: the 18-arm map (all 15 designs) recomputed from its committed
   runs.csv; every arm has every depth x lr x seed, the seeds pair across arms, and the failure
