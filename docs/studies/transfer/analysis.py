@@ -106,6 +106,8 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
     sharey=True,
     layout="constrained",
   )
+  sizes = sorted(set(zip(runs["width"], runs["depth"])), key=lambda s: (s != BASE, s))
+  colour = dict(zip(sizes, plt.cm.tab10.colors))  # one colour per size in every panel
   y = runs[lrmap.ENDPOINT].astype(float)
   d = runs.assign(_y=np.where(np.isfinite(y), np.fmin(y, runs["loss_init"]), runs["loss_init"]))
   for i, par in enumerate(pars):
@@ -113,7 +115,7 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
       ax, sub = axes[i, j], d[(d["arm"] == arm) & (d["parametrization"] == par)]
       for (w, dep), g in sub.groupby(["width", "depth"]):
         m = g.groupby("lr")["_y"].mean()
-        ax.plot(m.index, m.to_numpy(), "o-", ms=3, label=f"w{w} d{dep}")
+        ax.plot(m.index, m.to_numpy(), "o-", ms=3, color=colour[w, dep], label=f"w{w} d{dep}")
         ax.plot([m.idxmin()], [m.min()], "k*", ms=8)
       ax.set(xscale="log", title=f"{arm}, {par}", xlabel="peak learning rate")
       ax.set_ylabel("held-out loss (nats/byte)") if j == 0 else None
