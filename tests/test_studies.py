@@ -216,6 +216,22 @@ def test_geometry_pilot_decision_from_planted_runs(tmp_path):
   assert (tmp_path / "signatures.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_transfer_tables_recompute_from_runs_csv(tmp_path):
+  """docs/studies/transfer: best_lr.csv and transfer.csv recomputed from the committed runs.csv
+  (336 runs: 4 arms x 2 parametrisations x 3 sizes x 7 lrs x 2 seeds, seeds paired)."""
+  here = STUDIES / "transfer"
+  assert _analysis("transfer").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
+  for name in ("best_lr.csv", "transfer.csv"):
+    pd.testing.assert_frame_equal(
+      pd.read_csv(tmp_path / name), pd.read_csv(here / name), check_dtype=False, rtol=1e-9
+    )
+  runs = pd.read_csv(here / "runs.csv")
+  need = {"arm", "mixer", "parametrization", "width", "depth", "lr", "seed", "status"}
+  assert need | {"loss_init", "eval_loss"} <= set(runs.columns) and len(runs) == 336
+  cells = runs.groupby(["arm", "parametrization", "width", "depth", "lr"])["seed"]
+  assert cells.apply(lambda v: sorted(v) == [0, 1]).all() and cells.ngroups == 168
+
+
 @pytest.mark.parametrize("folder", ["geometry_pilot"])
 def test_geometry_pilot_decision_recomputes_from_its_runs(folder, tmp_path):
   """docs/studies/geometry_pilot: decision.csv and by_step.csv recomputed from the committed
