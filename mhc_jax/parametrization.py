@@ -17,9 +17,10 @@ to a base model: ``m_d = width / base_width``, ``m_L = depth / base_depth``, ``�
 
 and for every parameter Adam's ε ``× m_d^-1 m_L^-α``, every branch output ``× m_L^-α``, the
 logits ``× 1/m_d`` (both forms: ``h·W / (sqrt(base_width) m_d)``, ``W`` the tied embedding or
-``sqrt(base_width)`` x the untied head, entries ~1), and with ``base_head_dim`` set the attention
-logits ``× sqrt(base_head_dim / head_dim)`` (µP's ``1/head_dim``). The lr multipliers act on Adam's update
-(optax ``multi_transform`` over the labels), the weight decay's on the decay term inside it
+``sqrt(base_width)`` x the untied head, entries ~1), and with ``base_head_dim`` set the
+attention logits ``× sqrt(base_head_dim / head_dim)`` (µP's ``1/head_dim``). The lr multipliers
+act on Adam's update (optax ``multi_transform`` over the labels), the weight decay's on the decay
+term inside it
 (coupled: ``lr·wd``; independent: per step), so the decay a hidden matrix gets per step is
 ``m_L^(α-1)`` of the base's in both.
 """

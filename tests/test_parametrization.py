@@ -431,6 +431,7 @@ def test_sp_configs_hash_as_before_the_keys_existed():
 
   assert config_hash(Config()) == "6b19465d1c"  # tests/test_config.py HASHES
   assert config_hash(tiny("model.base_width=64")) == config_hash(tiny())  # sp ignores it
+  assert config_hash(tiny("model.base_head_dim=8")) == config_hash(tiny())
   assert config_hash(tiny(*SCALED)) != config_hash(tiny(*SCALED, "model.depth_alpha=0.5"))
   assert config_hash(tiny(*SCALED)) != config_hash(tiny())
   # base_head_dim unset: completep and mup runs keep the hashes they had before it existed

@@ -569,9 +569,9 @@ def config_hash(cfg: Config, length: int = 10) -> str:
   d = to_dict(cfg)
   d.pop("dist")
   if d["model"]["parametrization"] == "sp":  # sp ignores them: hashes as before they existed
-    for k in ("parametrization", "base_width", "base_depth", "depth_alpha"):
+    for k in ("parametrization", "base_width", "base_depth", "depth_alpha", "base_head_dim"):
       d["model"].pop(k)
-  if d["model"].get("base_head_dim", 0) is None:  # unset: hashes as before the key existed
+  elif d["model"]["base_head_dim"] is None:  # unset: hashes as before the key existed
     d["model"].pop("base_head_dim")
   for section, keys in _RETIRED.items():
     d[section].update(keys)
