@@ -299,19 +299,60 @@ def check_stream_separation(name: str, threshold: float = SEP_THRESHOLD, **opts)
   return spread
 
 
-def check_param_roles(name: str, **opts) -> None:
-  """Every parameter of the mixer and of its collapse has a role (mup, completep): its class's
-  ``param_roles`` maps the leaf name to a mixer role (docs/parametrization.md)."""
-  mixer, params, x, _, _ = setup(name, **opts)
+WIDE_ROLES = ("hidden", "readout", "res_readout")  # fan-in grows with the width
+
+
+def _param_shapes(name: str, c: int, **opts) -> dict[str, tuple]:
+  """{'/'.join(keys): shape} of the mixer's and its collapse's parameters at width ``c``
+  (abstract: ``jax.eval_shape``, nothing is computed)."""
+  mixer = mixers.get(name, layers=LAYERS, **opts)
+  x = jax.ShapeDtypeStruct((B, T, c), jnp.float32)
+  f = sublayer_fn(jax.random.PRNGKey(0), c)
+  state = jax.eval_shape(mixer.expand, x)
   cls, fields = mixer.collapse_module()
-  params = [params, nn.meta.unbox(cls(**fields).init(jax.random.PRNGKey(0), x))]
-  roles = type(mixer).param_roles
-  for path, _ in jax.tree_util.tree_leaves_with_path(params):
-    keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]
-    got = mp.role(["attn_mix", *keys], roles)
+  trees = [
+    jax.eval_shape(lambda s: mixer.init(jax.random.PRNGKey(0), s, f, 0), state),
+    jax.eval_shape(lambda s: cls(**fields).init(jax.random.PRNGKey(0), s), state),
+  ]
+  leaves = jax.tree_util.tree_leaves_with_path(nn.meta.unbox(trees))
+  keys = [[str(k.key) for k in p if isinstance(k, jax.tree_util.DictKey)] for p, _ in leaves]
+  return {"/".join(k[1:]): tuple(v.shape) for k, (_, v) in zip(keys, leaves)}  # k[0]: "params"
+
+
+def _fan_in(shape: tuple) -> int:
+  return int(np.prod(shape[:-1])) if len(shape) >= 2 else 1
+
+
+def check_param_roles(name: str, **opts) -> None:
+  """Every parameter of the mixer and of its collapse has a role (mup, completep) that fits its
+  shape.
+
+  The class's ``param_roles`` maps the leaf name to a mixer role (docs/parametrization.md); the
+  role is checked against the shapes at widths C and 2C (as microsoft/mup's
+  ``assert_hidden_size_inf``): a width-like
+  role (hidden, readout, res_readout) grows with the width, in its fan-in (all axes but the
+  last) where it has two axes or more; a scalar-like one (norm, scalar, res) has a fan-in that
+  does not (a vector of the width may be a per-coordinate gain)."""
+  roles = type(mixers.get(name, layers=LAYERS, **opts)).param_roles
+  small, big = _param_shapes(name, C, **opts), _param_shapes(name, 2 * C, **opts)
+  for path, shape in small.items():
+    got = mp.role(["attn_mix", *path.split("/")], roles)
     assert got in mp.MIXER_ROLES, (
-      f"{name}: parameter {'/'.join(keys)} has role {got!r} (param_roles = {roles})"
+      f"{name}: parameter {path} has role {got!r} (param_roles = {roles})"
     )
+    grows = [a != b for a, b in zip(shape, big[path])]
+    fan_grows = _fan_in(big[path]) > _fan_in(shape)
+    if got in WIDE_ROLES:
+      ok = fan_grows if len(shape) >= 2 else any(grows)
+      assert ok, (
+        f"{name}: parameter {path} is declared {got!r} (width-like) but its fan-in does not grow "
+        f"with the width (shape {shape} at width {C}, {big[path]} at {2 * C})"
+      )
+    else:
+      assert not fan_grows, (
+        f"{name}: parameter {path} is declared {got!r} (scalar-like) but its fan-in grows with "
+        f"the width (shape {shape} at width {C}, {big[path]} at {2 * C}): hidden or readout?"
+      )
 
 
 # --------------------------------------------------------------------------- all at once

@@ -79,6 +79,30 @@ class NoRoles(Gated):
   param_roles = None
 
 
+class FixedReadout(Gated):
+  """Declares its gate a readout (width-like), but the gate has one entry at every width."""
+
+  param_roles = {"gate": "readout"}
+
+
+class WideScalar(Mixer):
+  """A gate read from the stream by a [C, 1] projection declared scalar-like: its fan-in grows
+  with the width."""
+
+  param_roles = {"proj": "scalar"}
+
+  def layer_params(self, width):
+    return width
+
+  @nn.compact
+  def __call__(self, x_BTnC, sublayer, layer=0):
+    w_C1 = param(self, "proj", nn.initializers.zeros, (x_BTnC.shape[-1], 1), (None, None))
+    f_BTC = sublayer(x_BTnC[..., 0, :])
+    g_BT1 = jax_sigmoid(x_BTnC[..., 0, :] @ w_C1)
+    out = x_BTnC + (g_BT1 * f_BTC)[..., None, :].astype(x_BTnC.dtype)
+    return out, make_stats(x_BTnC, out, f_BTC, jnp.eye(1), jnp.ones((1,)), jnp.ones((1,)))
+
+
 class AllThree(FakeStochastic):
   """All three faults at once."""
 
@@ -220,6 +244,8 @@ def test_check_mixer_passes_a_good_mixer(usermix, registered):
     ("NanGrad", ["check_finite_grads"]),
     ("FakeStochastic", ["check_invariants"]),
     ("NoRoles", ["check_param_roles"]),
+    ("FixedReadout", ["check_param_roles"]),
+    ("WideScalar", ["check_param_roles"]),
     ("AllThree", ["check_shapes", "check_finite_grads", "check_invariants"]),
   ],
 )
@@ -241,6 +267,9 @@ def test_check_mixer_names_every_broken_check(usermix, cls, broken):
   }
   for name in broken:
     assert f"- {name}: {meanings[name]}" in msg
+  if cls in ("FixedReadout", "WideScalar"):  # the failure names the parameter and its shapes
+    param = {"FixedReadout": "gate", "WideScalar": "proj"}[cls]
+    assert f"parameter {param} is declared" in msg and "at width 8" in msg, msg
 
 
 def test_check_mixer_rejects_what_is_not_a_mixer(usermix):
