@@ -9,8 +9,10 @@ import pandas as pd
 import pytest
 from fixtures_logs import make_sweep
 
-from mhc_jax.sweep import lrmap, plots, report
-from mhc_jax.sweep.report import best_lr_rows, summary_table, write_report
+from mhc_jax.sweep import lrmap, plots, report, study
+from mhc_jax.sweep.lrmap import best_lr_rows
+from mhc_jax.sweep.report import write_report
+from mhc_jax.sweep.summary import summary_table
 
 nan = math.nan
 T2 = 4.302652729911275  # t(0.975, 2)
@@ -257,12 +259,12 @@ def test_study_runs_reads_each_runs_task_baseline(tmp_path):
     if (d / "config.yaml").exists():
       c = yaml.safe_load((d / "config.yaml").read_text()) | {"data": data}
       (d / "config.yaml").write_text(yaml.safe_dump(c))
-  runs = report.study_runs(root)
+  runs = study.read_runs(root)
   for seed in (0, 1):
     want = make_source("text", seq_len=16, seed=seed, path=str(corpus)).baseline(4, 2)
     assert np.allclose(runs.loc[runs["seed"] == seed, "baseline"], want)
   assert runs["baseline"].nunique() == 2 and "failure" in runs
-  tunnel = report.study_runs(make_sweep(tmp_path / "w", mixers=("hc",), depths=(2,), seeds=(0,)))
+  tunnel = study.read_runs(make_sweep(tmp_path / "w", mixers=("hc",), depths=(2,), seeds=(0,)))
   assert tunnel["baseline"].isna().all()
 
 

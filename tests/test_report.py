@@ -14,21 +14,18 @@ from fixtures_logs import make_sweep, raw_records, write_run
 from mhc_jax import cli
 from mhc_jax.errors import UsageError
 from mhc_jax.sweep import plots
-from mhc_jax.sweep.report import (
+from mhc_jax.sweep.lrmap import lr_sensitivity_table
+from mhc_jax.sweep.report import COMPOSITE_SENTENCES, screen, write_report
+from mhc_jax.sweep.report_tables import _paired_display, paired_table
+from mhc_jax.sweep.sentences import finding
+from mhc_jax.sweep.summary import (
   COLUMN_DOCS,
-  COMPOSITE_SENTENCES,
   GROUP_METRICS,
   LOG_SCALE,
   READS_OLD_LOGS,
   _axis_columns,
-  _paired_display,
-  finding,
-  lr_sensitivity_table,
-  paired_table,
-  screen,
   summarize_run,
   summary_table,
-  write_report,
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -33,6 +33,9 @@ def test_committed_intervals_recompute_from_runs_csv(study):
   pd.testing.assert_frame_equal(
     paired.reset_index(drop=True), pd.read_csv(here / "paired.csv"), check_dtype=False, rtol=1e-9
   )
+  geo_groups, geo_paired = _analysis(study).exploratory(runs)
+  for got, name in ((geo_groups, "geometry_groups.csv"), (geo_paired, "geometry_paired.csv")):
+    pd.testing.assert_frame_equal(got, pd.read_csv(here / name), check_dtype=False, rtol=1e-9)
   # the README's primary answer: no hc - mhc difference survives Holm at any depth
   primary = paired[paired.family == "primary"]
   assert list(primary.depth) == [2, 4, 8] and (primary.p_holm > 0.05).all()
@@ -232,7 +235,7 @@ def test_transfer_tables_recompute_from_runs_csv(tmp_path):
   assert cells.apply(lambda v: sorted(v) == [0, 1]).all() and cells.ngroups == 168
 
 
-@pytest.mark.parametrize("folder", ["geometry_pilot"])
+@pytest.mark.parametrize("folder", ["geometry_pilot", "geometry_pilot/long"])
 def test_geometry_pilot_decision_recomputes_from_its_runs(folder, tmp_path):
   """docs/studies/geometry_pilot: decision.csv and by_step.csv recomputed from the committed
   runs.csv by the pre-registered rule; every setting has both seeds at every checkpoint."""
@@ -284,3 +287,21 @@ def test_zoo_controls_table_recomputes_from_its_runs():
   assert len(tab) == 18 and (tab["n_seeds"] == 2).all() and mod.REFS == ("residual", "mhc")
   dn = tab.set_index(["arm", "depth", "lr"]).loc[("deepnorm", 16, 0.01)]
   assert dn["below_baseline_warm"] > dn["below_baseline_stress"] + 0.3
+
+
+def test_hc_mhc_scale_tables_recompute_from_its_summary():
+  """docs/studies/hc_mhc_scale: paired_arms.csv, and arms.csv but for the spike counts (recounted
+  from each run's metrics.jsonl, which is not committed), from the committed summary.csv."""
+  here = STUDIES / "hc_mhc_scale"
+  d = pd.read_csv(here / "summary.csv")
+  d = d[d["status"] == "done"].assign(loss_spikes=0.0, grad_spikes=0.0)
+  for part in ("arm", "regime"):
+    d[part] = d["run"].str.extract(rf"{part}=([^,]+)", expand=False)
+  arms, paired = _analysis("hc_mhc_scale").tables(d)
+  pd.testing.assert_frame_equal(
+    paired, pd.read_csv(here / "paired_arms.csv"), check_dtype=False, rtol=1e-9
+  )
+  want = pd.read_csv(here / "arms.csv")
+  keep = [c for c in want.columns if "spikes" not in c]
+  pd.testing.assert_frame_equal(arms[keep], want[keep], check_dtype=False, rtol=1e-9)
+  assert len(arms) == 15 and (arms["n_seeds"] == 5).all()

@@ -13,6 +13,7 @@ import pandas as pd
 from mhc_jax.spikes import lr_sensitivity
 from mhc_jax.sweep import stats
 from mhc_jax.sweep.stats import _floats
+from mhc_jax.sweep.summary import _id_columns
 
 ENDPOINT = "eval_loss"
 #: A run diverged when its endpoint is non-finite or at least this fraction of its initial loss
@@ -135,3 +136,58 @@ def phase_table(runs: pd.DataFrame, by: list[str] = BY, endpoint: str = ENDPOINT
   names = ["frac_diverged", "frac_no_training", "frac_failed", "frac_spiked", "frac_unstable"]
   frac = frac.set_axis(names, axis=1)
   return out.merge(frac.reset_index(), on=by)
+
+
+def has_lr_axis(df: pd.DataFrame) -> bool:
+  """True when the table has an ``lr`` column with at least two distinct learning rates."""
+  return "lr" in df.columns and pd.to_numeric(df["lr"], errors="coerce").dropna().nunique() >= 2
+
+
+LR_COLUMNS = "n_lr lrs best_lr best_final_loss loss_init n_diverged lr_sensitivity".split()
+
+
+def lr_sensitivity_table(df: pd.DataFrame) -> pd.DataFrame:
+  """Wortsman et al.'s LR sensitivity (:func:`mhc_jax.spikes.lr_sensitivity`) per group of runs
+  that differ only in ``lr`` (a NaN/inf ``final_loss`` counts as diverged); no lr axis: empty."""
+  group_cols = [c for c in _id_columns(df) if c not in ("run", "lr")]
+  rows, groups = [], []
+  if has_lr_axis(df):
+    d = df[df["steps"] > 0].assign(_lr=lambda x: pd.to_numeric(x["lr"], errors="coerce"))
+    groups = stats.split(d[d["_lr"].notna()], group_cols)
+  for key, g in groups:
+    per_lr = g.groupby("_lr")["final_loss"].mean().sort_index()
+    init = g["loss_init"][np.isfinite(g["loss_init"])]
+    loss_init = float(init.mean()) if len(init) else math.nan
+    finite = per_lr[np.isfinite(per_lr)]
+    ok = len(per_lr) >= 2 and math.isfinite(loss_init)
+    rows.append(
+      {
+        **dict(zip(group_cols, key)),
+        "n_lr": len(per_lr),
+        "lrs": ", ".join(f"{x:g}" for x in per_lr.index),
+        "best_lr": float(finite.idxmin()) if len(finite) else math.nan,
+        "best_final_loss": float(finite.min()) if len(finite) else math.nan,
+        "loss_init": loss_init,
+        "n_diverged": int((~np.isfinite(per_lr)).sum()),
+        "lr_sensitivity": lr_sensitivity(per_lr.to_dict(), loss_init) if ok else math.nan,
+      }
+    )
+  out = pd.DataFrame(rows, columns=[*group_cols, *LR_COLUMNS])
+  out.attrs = {"group_columns": group_cols}
+  return out
+
+
+def best_lr_rows(df: pd.DataFrame) -> pd.DataFrame:
+  """The runs at their arm's own best lr (:data:`RULE`) per group of the other axes, as ``best_lr``."""
+  d, ids = df[df["steps"] > 0], [c for c in _id_columns(df) if c != "lr"]
+  out = at_best_lr(d, [c for c in ids if c not in ("run", "seed")], endpoint_of(d)[0])
+  out = out.rename(columns={"lr": "best_lr"})
+  out.attrs = {**df.attrs, "id_columns": ids}
+  return out
+
+
+def endpoint_of(d: pd.DataFrame) -> tuple[str, str]:
+  """(column, words) of the loss the sentence compares: held-out where any run has it."""
+  if "eval_loss" in d.columns and np.isfinite(_floats(d["eval_loss"])).any():
+    return "eval_loss", "held-out loss"
+  return "final_loss", "final training loss"

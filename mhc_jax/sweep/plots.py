@@ -702,35 +702,47 @@ def lr_sensitivity_curves(
 _GRID = dict(squeeze=False, layout="constrained")
 
 
-def lr_curves(runs: pd.DataFrame, path, *, y: str = "eval_loss", dpi: int = 110) -> str | None:
-  """Stability map: ``y`` against lr (log x), one panel per ``arm``, one line per depth (darker
-  = deeper): the seed mean of min(y, loss_init) (non-finite -> loss_init, as the LR sensitivity
-  counts it) and its 95% t band; X where any seed diverged (``runs["diverged"]``), an open
-  circle where one did not train (``runs["failure"]``), a dashed line at the task's baseline."""
+def lr_curves(
+  runs: pd.DataFrame, path, *, y: str = "eval_loss", panel="arm", line="depth", dpi: int = 110
+) -> str | None:
+  """Loss against lr (log x), one panel per value of the ``panel`` column(s), one line per value
+  of the ``line`` column(s) (darker = larger): the seed mean of min(y, loss_init) (non-finite ->
+  loss_init, as the LR sensitivity counts it) and its 95% t band; X where any seed diverged
+  (lrmap.diverged), an open circle where one did not train (``runs["failure"]``), a dashed line
+  at the task's baseline. The stability maps' figure (docs/sweeps.md) and the transfer study's."""
+  from mhc_jax.sweep import lrmap
+
+  panel, line = (
+    [panel] if isinstance(panel, str) else panel,
+    [line] if isinstance(line, str) else line,
+  )
   d = runs.assign(_lr=_num(runs["lr"]).to_numpy(), _y=_num(runs[y]).to_numpy())
+  d = d.assign(diverged=lrmap.diverged(d, y)) if "diverged" not in d else d
   if not len(d := d[np.isfinite(d["_lr"])]):
     return None
   d["_y"] = np.where(np.isfinite(d["_y"]), np.fmin(d["_y"], d["loss_init"]), d["loss_init"])
-  arms, depths = list(dict.fromkeys(d["arm"])), sorted(d["depth"].unique())
-  nr, nc = -(-len(arms) // 3), min(len(arms), 3)
+  panels = stats.split(d, panel)
+  lines = sorted({k for k, _ in stats.split(d, line)})
+  nr, nc = -(-len(panels) // 3), min(len(panels), 3)
   fig, axes = plt.subplots(nr, nc, figsize=(4.4 * nc, 3.4 * nr), sharex=True, sharey=True, **_GRID)
-  for ax in axes.ravel()[len(arms) :]:
+  for ax in axes.ravel()[len(panels) :]:
     ax.set_visible(False)
-  for ax, arm in zip(axes.ravel(), arms):
-    for k, depth in enumerate(depths):
-      g = d[(d["arm"] == arm) & (d["depth"] == depth)].groupby("_lr")
+  for ax, (key, sub) in zip(axes.ravel(), panels):
+    for lkey, g in stats.split(sub, line):
+      g, k = g.groupby("_lr"), lines.index(lkey)
       mid, lo, hi = (np.array([stats.mean_ci(v)[i] for _, v in g["_y"]]) for i in range(3))
-      c, x = _shade("#1f3b73", k, len(depths)), np.array(list(g.groups))
-      ax.plot(x, mid, "o-", color=c, ms=3, label=f"depth {depth}")
+      c, x = _shade("#1f3b73", k, len(lines)), np.array(list(g.groups))
+      label = ", ".join(f"{col} {_fmt(v)}" for col, v in zip(line, lkey))
+      ax.plot(x, mid, "o-", color=c, ms=3, label=label)
       ax.fill_between(x, lo, hi, color=c, **_BAND)
-      bad = g["diverged"].any().to_numpy()
+      bad = g["diverged"].any().to_numpy(bool)
       ax.plot(x[bad], mid[bad], color=c, **_DIV)
       if "failure" in d:
         stuck = g["failure"].agg(lambda f: (f == "no_training").any()).to_numpy(bool)
         ax.plot(x[stuck], mid[stuck], "o", mfc="none", mec="#ff7f0e", ms=8, ls="")
     if "baseline" in d and np.isfinite(base := _num(d["baseline"]).mean()):
       ax.axhline(base, ls="--", lw=0.8, color="#ff7f0e", label="byte-frequency baseline")
-    ax.set(xscale="log", title=str(arm), xlabel="peak learning rate")
+    ax.set(xscale="log", title=", ".join(map(str, key)), xlabel="peak learning rate")
     ax.set_ylabel(f"{y}, min(·, initial loss)") if ax.get_subplotspec().is_first_col() else None
     ax.grid(True, alpha=0.3)
   axes[0, 0].legend(fontsize=8, frameon=False)

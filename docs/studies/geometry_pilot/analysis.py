@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from mhc_jax.sweep import report  # noqa: E402
+from mhc_jax.sweep import study  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 KEY_FACTOR = 1.5  # K: layer-0 token-key |cos| <= its random-direction null / 1.5
@@ -194,9 +194,9 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
 
 def main(argv=None) -> int:
   flags = [("--batches", dict(type=int, default=8, help="eval batches of a missing series"))]
-  src, out, args = report.study_cli(argv, __doc__, HERE, flags)
+  src, out, args = study.cli(argv, __doc__, HERE, flags)
   runs = pd.read_csv(src) if src.suffix == ".csv" else collect(src, args.batches)
-  report.save_runs(runs, src, out)
+  study.save_runs(runs, src, out)
   by_step(runs).to_csv(out / "by_step.csv", index=False)
   dec = decision(runs)
   dec.to_csv(out / "decision.csv", index=False)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from mhc_jax import spikes
-from mhc_jax.sweep import stats
+from mhc_jax.sweep import study
 
 ARMS = ["residual", "hc", "mhc", "mhc_sym", "mhc_identity"]
 PAIRS = [
@@ -64,81 +63,38 @@ def recount_spikes(run_dir: Path) -> tuple[int, int]:
 
 
 def load(sweep: Path) -> pd.DataFrame:
-  d = pd.read_csv(sweep / "report" / "summary.csv")
-  d = d[d["status"] == "done"].copy()
-  d["arm"] = d["run"].str.extract(r"arm=([^,]+)", expand=False)
-  d["regime"] = d["run"].str.extract(r"regime=([^,]+)", expand=False)
+  d = study.report_rows(sweep, done=lambda r: True)
+  d = d[d["status"] == "done"]
   counts = [recount_spikes(sweep / "runs" / r) for r in d["run"]]
-  d["loss_spikes"] = [c[0] for c in counts]
-  d["grad_spikes"] = [c[1] for c in counts]
-  return d
+  return d.assign(loss_spikes=[c[0] for c in counts], grad_spikes=[c[1] for c in counts])
 
 
-def arm_table(d: pd.DataFrame) -> pd.DataFrame:
-  rows = []
-  for regime in dict.fromkeys(d["regime"]):
-    for arm in ARMS:
-      g = d[(d["regime"] == regime) & (d["arm"] == arm)]
-      if not len(g):
-        continue
-      row = {"regime": regime, "arm": arm, "n_seeds": len(g)}
-      for m in RAW + LOG:
-        mean, lo, hi, _ = stats.mean_ci(g[m].astype(float), log=m in LOG)
-        row |= {m: mean, f"{m}_ci_lo": lo, f"{m}_ci_hi": hi}
-      rows.append(row)
-  return pd.DataFrame(rows)
+def tables(d: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+  """(arms.csv, paired_arms.csv) from the runs' rows (tests/test_studies.py recomputes them)."""
+  regimes = list(dict.fromkeys(d["regime"]))  # in the order they ran, the arms in ARMS's
+  d = d.assign(_r=d["regime"].map(regimes.index), _a=d["arm"].map(ARMS.index))
+  d = d.sort_values(["_r", "_a"], kind="stable")
+  arms = study.arm_table(d, ["regime", "arm"], RAW, LOG)
+  return arms, study.pair_table(d, ["regime"], RAW[:2] + LOG, LOG, ARMS, PAIRS)
 
 
-def paired_table(d: pd.DataFrame) -> pd.DataFrame:
-  out = stats.paired_stats(d, "arm", ["regime"], RAW[:2] + LOG, log_metrics=LOG, order=ARMS)
-  keep = out.apply(lambda r: (r["a"], r["b"]) in PAIRS, axis=1)
-  return out[keep].reset_index(drop=True)
-
-
-def _ci(mean, lo, hi, digits=3) -> str:
-  f = lambda v: f"{v:.{digits}g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-  if not math.isfinite(lo):
-    return f(mean)
-  return f"{f(mean)} [{f(lo)}, {f(hi)}]"
-
-
-def markdown_arms(t: pd.DataFrame) -> str:
-  head = (
-    "| regime | arm | n | held-out loss | final train loss | stream spread, last layer | "
-    "composite fwd, token-averaged / per token / per token bwd (gmean) | max grad norm after "
-    "warm-up (gmean) | loss / grad spikes per run |\n" + "| --- " * 9 + "|"
-  )
-  lines = [head]
-  for _, r in t.iterrows():
-    c = lambda m, k=3: _ci(r[m], r[f"{m}_ci_lo"], r[f"{m}_ci_hi"], k)
-    lines.append(
-      f"| {r['regime']} | {r['arm']} | {r['n_seeds']} | {c('eval_loss')} | {c('final_loss')} | "
-      f"{c('stream_spread_last', 2)} | {c('amax_fwd_composite_max')} / "
-      f"{c('amax_fwd_composite_tok_mean_max')} / {c('amax_bwd_composite_tok_mean_max')} | "
-      f"{c('max_grad_norm', 2)} | "
-      f"{r['loss_spikes']:.1f} / {r['grad_spikes']:.1f} |"
-    )
-  return "\n".join(lines)
-
-
-def markdown_paired(p: pd.DataFrame) -> str:
-  lines = [
-    "| regime | comparison | n pairs | held-out loss b - a | stream spread b / a | "
-    "per-token composite fwd b / a |\n" + "| --- " * 6 + "|"
-  ]
-  for (regime, a, b), g in p.groupby(["regime", "a", "b"], sort=False):
-    cell = {}
-    for _, r in g.iterrows():
-      if r["scale"] == "log":
-        txt = _ci(r["ratio_mean"], r["ratio_ci_lo"], r["ratio_ci_hi"])
-      else:
-        txt = _ci(r["diff_mean"], r["diff_ci_lo"], r["diff_ci_hi"])
-      cell[r["metric"]] = txt + (" *" if r["significant"] else "")
-    lines.append(
-      f"| {regime} | {b} vs {a} | {g['n_pairs'].iloc[0]} | {cell.get('eval_loss', '')} | "
-      f"{cell.get('stream_spread_last', '')} | {cell.get('amax_fwd_composite_tok_mean_max', '')} |"
-    )
-  return "\n".join(lines)
+ARM_CELLS = {
+  "held-out loss": [("eval_loss", 3)],
+  "final train loss": [("final_loss", 3)],
+  "stream spread, last layer": [("stream_spread_last", 2)],
+  "composite fwd, token-averaged / per token / per token bwd (gmean)": [
+    ("amax_fwd_composite_max", 3),
+    ("amax_fwd_composite_tok_mean_max", 3),
+    ("amax_bwd_composite_tok_mean_max", 3),
+  ],
+  "max grad norm after warm-up (gmean)": [("max_grad_norm", 2)],
+  "loss / grad spikes per run": [("loss_spikes", 2), ("grad_spikes", 2)],
+}
+PAIR_CELLS = {
+  "held-out loss b - a": "eval_loss",
+  "stream spread b / a": "stream_spread_last",
+  "per-token composite fwd b / a": "amax_fwd_composite_tok_mean_max",
+}
 
 
 def main(argv=None) -> int:
@@ -152,15 +108,15 @@ def main(argv=None) -> int:
     )
     return 2
   d = load(a.sweep)
-  arms, paired = arm_table(d), paired_table(d)
+  arms, paired = tables(d)
   if a.out is not None:
     a.out.mkdir(parents=True, exist_ok=True)
     arms.to_csv(a.out / "arms.csv", index=False)
     paired.to_csv(a.out / "paired_arms.csv", index=False)
   with np.errstate(all="ignore"):
-    print(markdown_arms(arms))
+    print(study.arms_markdown(arms, ["regime", "arm"], ARM_CELLS))
     print()
-    print(markdown_paired(paired))
+    print(study.pairs_markdown(paired, "regime", PAIR_CELLS))
   return 0
 
 

@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from mhc_jax.sweep import stats
+from mhc_jax.sweep import stats, study
 
 ARMS = [
   "mhc_identity",
@@ -77,11 +76,8 @@ def _status(run_dir: Path) -> str:
 def load(sweeps: list[Path]) -> tuple[pd.DataFrame, dict]:
   rows, layers = [], {}
   for sweep in sweeps:
-    d = pd.read_csv(sweep / "report" / "summary.csv")
     # finished runs: the run's own summary.json (the manifest lags while the sweep runs)
-    done = [_status(sweep / "runs" / r) == "done" for r in d["run"]]
-    d = d[done].copy()
-    d["arm"] = d["run"].str.extract(r"arm=([^,]+)", expand=False)
+    d = study.report_rows(sweep, done=lambda r: _status(sweep / "runs" / r) == "done")
     for _, r in d.iterrows():
       lay = last_layers(sweep / "runs" / r["run"])
       layers[(int(r["depth"]), r["arm"], int(r["seed"]))] = lay
@@ -104,71 +100,21 @@ def load(sweeps: list[Path]) -> tuple[pd.DataFrame, dict]:
   return runs.reset_index(drop=True), layers
 
 
-def arm_table(d: pd.DataFrame) -> pd.DataFrame:
-  rows = []
-  for (depth, arm), g in d.groupby(["depth", "arm"], sort=False):
-    row = {"depth": depth, "arm": arm, "n_seeds": len(g)}
-    for m in RAW + LOG:
-      mean, lo, hi, _ = stats.mean_ci(g[m].astype(float), log=m in LOG)
-      row |= {m: mean, f"{m}_ci_lo": lo, f"{m}_ci_hi": hi}
-    rows.append(row)
-  return pd.DataFrame(rows)
-
-
-def paired_table(d: pd.DataFrame) -> pd.DataFrame:
-  out = stats.paired_stats(d, "arm", ["depth"], RAW + LOG, log_metrics=LOG, order=ARMS)
-  out = out[[(a, b) in PAIRS for a, b in zip(out["a"], out["b"])]]
-  return out.sort_values(["depth", "metric"], kind="stable").reset_index(drop=True)
-
-
 def tables(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   """(arms.csv, paired_arms.csv) from runs.csv's rows (tests/test_studies.py recomputes them)."""
-  return arm_table(runs), paired_table(runs)
+  paired = study.pair_table(runs, ["depth"], RAW + LOG, LOG, ARMS, PAIRS)
+  paired = paired.sort_values(["depth", "metric"], kind="stable").reset_index(drop=True)
+  return study.arm_table(runs, ["depth", "arm"], RAW, LOG), paired
 
 
-def _ci(mean, lo, hi, digits=3) -> str:
-  f = lambda v: f"{v:.{digits}g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-  if not math.isfinite(mean):
-    return "nan"
-  if not math.isfinite(lo):
-    return f(mean)
-  return f"{f(mean)} [{f(lo)}, {f(hi)}]"
-
-
-def markdown_arms(t: pd.DataFrame) -> str:
-  lines = [
-    "| depth | arm | n | held-out loss | stream spread, last layer (gmean) | H_res diagonal "
-    "(layer mean) | H_res shift from step 0 (layer mean) | dynamic share (layer mean) |",
-    "| --- " * 8 + "|",
-  ]
-  for _, r in t.iterrows():
-    c = lambda m, k=3: _ci(r[m], r[f"{m}_ci_lo"], r[f"{m}_ci_hi"], k)
-    lines.append(
-      f"| {r['depth']} | {r['arm']} | {r['n_seeds']} | {c('eval_loss', 4)} | "
-      f"{c('stream_spread_last', 2)} | {c('h_res_diag_mean')} | {c('h_res_shift_mean', 2)} | "
-      f"{c('h_res_dynamic_share_mean', 2)} |"
-    )
-  return "\n".join(lines)
-
-
-def markdown_paired(p: pd.DataFrame) -> str:
-  lines = [
-    "| depth | b vs a | n pairs | held-out loss b - a | stream spread b / a |",
-    "| --- " * 5 + "|",
-  ]
-  for (depth, a, b), g in p.groupby(["depth", "a", "b"], sort=False):
-    cell = {}
-    for _, r in g.iterrows():
-      if r["scale"] == "log":
-        txt = _ci(r["ratio_mean"], r["ratio_ci_lo"], r["ratio_ci_hi"])
-      else:
-        txt = _ci(r["diff_mean"], r["diff_ci_lo"], r["diff_ci_hi"])
-      cell[r["metric"]] = txt + (" *" if r["significant"] else "")
-    lines.append(
-      f"| {depth} | {b} vs {a} | {g['n_pairs'].iloc[0]} | {cell.get('eval_loss', '')} | "
-      f"{cell.get('stream_spread_last', '')} |"
-    )
-  return "\n".join(lines)
+ARM_CELLS = {
+  "held-out loss": [("eval_loss", 4)],
+  "stream spread, last layer (gmean)": [("stream_spread_last", 2)],
+  "H_res diagonal (layer mean)": [("h_res_diag_mean", 3)],
+  "H_res shift from step 0 (layer mean)": [("h_res_shift_mean", 2)],
+  "dynamic share (layer mean)": [("h_res_dynamic_share_mean", 2)],
+}
+PAIR_CELLS = {"held-out loss b - a": "eval_loss", "stream spread b / a": "stream_spread_last"}
 
 
 def figures(runs: pd.DataFrame, layers: dict, paired: pd.DataFrame, out: Path) -> None:
@@ -274,9 +220,9 @@ def main(argv=None) -> int:
     paired.to_csv(a.out / "paired_arms.csv", index=False)
     figures(runs, layers, paired, a.out)
   with np.errstate(all="ignore"):
-    print(markdown_arms(arms))
+    print(study.arms_markdown(arms, ["depth", "arm"], ARM_CELLS))
     print()
-    print(markdown_paired(paired))
+    print(study.pairs_markdown(paired, "depth", PAIR_CELLS))
   return 0
 
 

@@ -4,19 +4,17 @@
   python docs/studies/phase_map/analysis.py SWEEP_DIR [--out docs/studies/phase_map]
   python docs/studies/phase_map/analysis.py docs/studies/phase_map/runs.csv   # recompute
 
-Writes ``runs.csv`` (``mhc_jax.sweep.lrmap.runs_table``, with the byte-frequency ``baseline`` and
-the ``failure`` kind; a runs.csv from before issue 48 gets them from :data:`DATA` and is
-rewritten), ``phase.csv`` (``lrmap.phase_table``: per arm, width and depth the fractions of seeds
-that diverged, did not train, failed, spiked, eval_loss and the per-token composite gain with
-their intervals) and ``phase_map.png`` (the two failure fractions, the gain and eval_loss as
-width x depth heatmaps, one column per arm, one colour scale per quantity).
+Writes ``runs.csv`` (``mhc_jax.sweep.study.read_runs``; a runs.csv from before issue 48 gets its
+``baseline`` and ``failure`` from :data:`DATA` and is rewritten), ``phase.csv``
+(``lrmap.phase_table``: per arm, width and depth the fractions of seeds that diverged, did not
+train, failed, spiked, eval_loss and the per-token composite gain with their intervals) and
+``phase_map.png`` (:data:`SHOWN` as width x depth heatmaps, a column per arm).
 """
-
-from __future__ import annotations
 
 from pathlib import Path
 
-from mhc_jax.sweep import lrmap, plots, report, stats
+from mhc_jax.sweep import lrmap, plots, stats, study
+from mhc_jax.sweep.report import md_table
 
 HERE = Path(__file__).resolve().parent
 SHOWN = [
@@ -30,17 +28,13 @@ DATA = dict(seq_len=64, batch_size=8, eval_batches=8, val_fraction=0.05)
 
 
 def main(argv=None) -> int:
-  src, out, _ = report.study_cli(argv, __doc__, HERE)
-  runs = report.study_runs(src)
-  upgrade = "baseline" not in runs
-  runs = report.with_baseline(runs, **DATA) if upgrade else runs
+  runs, _, out = study.load(argv, __doc__, HERE, DATA)
   phase = lrmap.phase_table(runs)
-  report.save_runs(runs, src, out, changed=upgrade)
   phase.to_csv(out / "phase.csv", index=False)
   plots.heatmaps(
     phase, out / "phase_map.png", x="width", y="depth", values=SHOWN, panel="arm", log=SHOWN[2:3]
   )
-  print(report.md_table(phase[["arm", "width", "depth", "n_seeds", *SHOWN]].round(4)))
+  print(md_table(phase[["arm", "width", "depth", "n_seeds", *SHOWN]].round(4)))
   return 0
 
 

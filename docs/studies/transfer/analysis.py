@@ -15,11 +15,9 @@ Writes into ``--out`` (default: beside runs.csv, or docs/studies/transfer):
   drift (log2 of the best lr's ratio, from the seed-mean curve and per seed), the transfer regret
   (loss at the base's best lr minus loss at the size's own, per seed, mean and t interval) and
   the verdict by the study file's rule.
-- ``transfer.png``: held-out loss against lr, one curve per size, a panel per arm x
-  parametrisation (the figure of the muP and CompleteP papers).
+- ``transfer.png``: held-out loss against lr (``plots.lr_curves``), a line per size, a panel per
+  arm x parametrisation (the figure of the muP and CompleteP papers).
 """
-
-from __future__ import annotations
 
 import math
 from pathlib import Path
@@ -27,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from mhc_jax.sweep import lrmap, report, stats
+from mhc_jax.sweep import lrmap, plots, stats, study
+from mhc_jax.sweep.report import md_table
 
 HERE = Path(__file__).resolve().parent
 BY = ["arm", "parametrization", "width", "depth"]
@@ -88,52 +87,16 @@ def transfer_table(runs: pd.DataFrame) -> pd.DataFrame:
   return pd.DataFrame(rows)
 
 
-def figure(runs: pd.DataFrame, path: Path) -> None:
-  """Held-out loss (seed mean, failed runs at the initial loss) against lr, a curve per size."""
-  import matplotlib
-
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  pars = list(dict.fromkeys(runs["parametrization"]))
-  arms = [a for a in ARMS if a in set(runs["arm"])] + sorted(set(runs["arm"]) - set(ARMS))
-  fig, axes = plt.subplots(
-    len(pars),
-    len(arms),
-    figsize=(3.6 * len(arms), 3.2 * len(pars)),
-    squeeze=False,
-    sharex=True,
-    sharey=True,
-    layout="constrained",
-  )
-  sizes = sorted(set(zip(runs["width"], runs["depth"])), key=lambda s: (s != BASE, s))
-  colour = dict(zip(sizes, plt.cm.tab10.colors))  # one colour per size in every panel
-  y = runs[lrmap.ENDPOINT].astype(float)
-  d = runs.assign(_y=np.where(np.isfinite(y), np.fmin(y, runs["loss_init"]), runs["loss_init"]))
-  for i, par in enumerate(pars):
-    for j, arm in enumerate(arms):
-      ax, sub = axes[i, j], d[(d["arm"] == arm) & (d["parametrization"] == par)]
-      for (w, dep), g in sub.groupby(["width", "depth"]):
-        m = g.groupby("lr")["_y"].mean()
-        ax.plot(m.index, m.to_numpy(), "o-", ms=3, color=colour[w, dep], label=f"w{w} d{dep}")
-        ax.plot([m.idxmin()], [m.min()], "k*", ms=8)
-      ax.set(xscale="log", title=f"{arm}, {par}", xlabel="peak learning rate")
-      ax.set_ylabel("held-out loss (nats/byte)") if j == 0 else None
-      ax.grid(True, alpha=0.3)
-  axes[0, 0].legend(fontsize=7, frameon=False)
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-
-
 def main(argv=None) -> int:
-  src, out, _ = report.study_cli(argv, __doc__, HERE)
-  runs = report.study_runs(src)
-  report.save_runs(runs, src, out)
+  runs, _, out = study.load(argv, __doc__, HERE)
   best_table(runs).to_csv(out / "best_lr.csv", index=False)
   tab = transfer_table(runs)
   tab.to_csv(out / "transfer.csv", index=False)
-  figure(runs, out / "transfer.png")
-  print(report.md_table(tab.round(3)))
+  order = study.ordered(runs, ARMS, by=["parametrization", "width", "depth", "lr", "seed"])
+  plots.lr_curves(
+    order, out / "transfer.png", panel=["arm", "parametrization"], line=["width", "depth"]
+  )
+  print(md_table(tab.round(3)))
   return 0
 
 

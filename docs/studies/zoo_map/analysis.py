@@ -6,23 +6,18 @@ docs/sweeps.md, "Stability maps").
   python docs/studies/zoo_map/analysis.py docs/studies/zoo_map/runs.csv   # recompute
 
 SWEEP_DIR is the zoo_map sweep; its runs join docs/studies/lr_curves/runs.csv (same grid, seeds,
-data and regime). Writes, as docs/studies/lr_curves/analysis.py does, ``runs.csv`` (1,134 rows),
-``lr_sensitivity.csv``, ``paired_best_lr.csv`` (each arm against residual and mhc, paired by
-seed at each arm's own best lr), ``mechanism.csv``, ``lr_curves.png``, ``stable_lr.png`` and
-``edges.png`` (the map: a row per arm grouped by family, a panel per depth).
+data and regime). Writes ``runs.csv`` (1,134 rows) and the stability map
+(``mhc_jax.sweep.study.write_lr_map``: each arm paired against residual and mhc at each arm's own
+best lr; ``edges.png`` is the map: a row per arm grouped by family, a panel per depth).
 """
 
-from __future__ import annotations
-
-import importlib.util
 from pathlib import Path
 
 import pandas as pd
 
-from mhc_jax.sweep import report
+from mhc_jax.sweep import study
 
 HERE = Path(__file__).resolve().parent
-LR_CURVES = HERE.parent / "lr_curves"
 FAMILIES = {
   "pre-LN, one stream": ["residual", "residual_qk", "value_residual", "laurel", "ortho"],
   "norm placement": ["post_ln", "deepnorm", "peri_ln"],
@@ -34,20 +29,13 @@ FAMILIES = {
 REFS = ("residual", "mhc")
 
 
-def _lr_curves():
-  spec = importlib.util.spec_from_file_location("lr_curves_analysis", LR_CURVES / "analysis.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
 def main(argv=None) -> int:
-  src, out, _ = report.study_cli(argv, __doc__, HERE)
-  runs = report.study_runs(src)
+  src, out, _ = study.cli(argv, __doc__, HERE)
+  runs = study.read_runs(src)
   if src.suffix != ".csv":  # the sweep's runs join the committed lr_curves rows
-    runs = pd.concat([pd.read_csv(LR_CURVES / "runs.csv"), runs], ignore_index=True)
-  report.save_runs(runs, src, out)
-  _lr_curves().write(runs, out, FAMILIES, refs=REFS)
+    runs = pd.concat([pd.read_csv(HERE.parent / "lr_curves" / "runs.csv"), runs], ignore_index=True)
+  study.save_runs(runs, src, out)
+  study.write_lr_map(runs, out, FAMILIES, refs=REFS)
   return 0
 
 

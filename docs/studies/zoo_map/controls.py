@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from mhc_jax.sweep import report
+from mhc_jax.sweep import study
+from mhc_jax.sweep.report import md_table
 
 HERE = Path(__file__).resolve().parent
 KEY = ["arm", "depth", "lr", "seed"]
@@ -43,13 +44,13 @@ def main(argv=None) -> int:
   ap.add_argument("source", help="the zoo_controls sweep directory, or controls_runs.csv")
   args = ap.parse_args(argv)
   src = Path(args.source)
-  warm = report.study_runs(src)
+  warm = study.read_runs(src)
   if src.suffix != ".csv":
     warm.to_csv(HERE / "controls_runs.csv", index=False)
   out = src.parent if src.suffix == ".csv" else HERE
   tab = table(warm, pd.read_csv(HERE / "runs.csv"))
   tab.to_csv(out / "controls.csv", index=False)
-  print(report.md_table(tab.round(3)))
+  print(md_table(tab.round(3)))
   return 0
 
 
