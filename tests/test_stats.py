@@ -201,3 +201,15 @@ def test_group_keys_agree_across_numpy_and_python_scalars():
   assert stats._key(np.int64(64)) == stats._key(64) == stats._key(64.0)
   assert stats._key(np.float32(0.5)) == stats._key(0.5)
   assert stats._key("mhc") != stats._key(0.01)
+
+
+def test_t_test_and_holm_match_scipy_and_the_definition():
+  """stats.t_test is scipy's one-sample t test; Holm multiplies the k-th smallest p by (m - k + 1),
+  caps at 1 and never lets an adjusted p fall below the one before it."""
+  from scipy.stats import ttest_1samp
+
+  x = [0.3, -0.1, 0.5, 0.2, 0.4]
+  assert stats.t_test(x) == pytest.approx(ttest_1samp(x, 0.0).pvalue, rel=1e-12)
+  assert stats.t_test([0.25, 0.25, 0.25]) == 0.0  # no spread: the bayes_thesis convention
+  adj = stats.holm([0.01, 0.04, 0.03, 0.5])
+  assert adj.tolist() == pytest.approx([0.04, 0.09, 0.09, 0.5])

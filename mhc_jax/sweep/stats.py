@@ -74,6 +74,27 @@ def mean_ci(
   return mean, mean - half, mean + half, n
 
 
+def t_test(values: Iterable[float]) -> float:
+  """The two-sided p value of a one-sample Student t test of mean 0 (on paired differences: the
+  paired t test); 0 where the values do not spread (docs/studies/bayes_thesis/README.md)."""
+  from scipy.stats import t
+
+  x = _floats(values)
+  se = float(np.std(x, ddof=1)) / math.sqrt(x.size)
+  return 2 * float(t.sf(abs(float(np.mean(x)) / se), x.size - 1)) if se > 0 else 0.0
+
+
+def holm(p: Iterable[float]) -> np.ndarray:
+  """Holm's step-down adjusted p values of one family of tests, in the order given: the k-th
+  smallest times (m - k + 1), at most 1, never below the one before it."""
+  p = _floats(p)
+  adj, running = np.empty_like(p), 0.0
+  for rank, i in enumerate(np.argsort(p)):
+    running = max(running, min(1.0, (len(p) - rank) * p[i]))
+    adj[i] = running
+  return adj
+
+
 def significant(lo: float, hi: float, scale: float | None, rtol: float = SIGNIFICANCE_RTOL) -> bool:
   """True when ``[lo, hi]`` excludes 0 by more than ``rtol * |scale|`` (``scale=None``: a log
   ratio's interval, which must clear 0 by more than ``rtol``); NaN bounds: False."""

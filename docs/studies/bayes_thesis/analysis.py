@@ -19,9 +19,9 @@ import pathlib
 import numpy as np
 import pandas as pd
 import yaml
-from scipy import stats
 
 from mhc_jax import geometry_plots
+from mhc_jax.sweep import stats
 
 HERE = pathlib.Path(__file__).parent
 PRIMARY_STEPS = (999, 1249, 1499, 1749, 1999)
@@ -95,51 +95,26 @@ def run_row(run: pathlib.Path) -> dict | None:
 
 
 def paired(df: pd.DataFrame, pairs, endpoint: str, family: str) -> pd.DataFrame:
+  """Per depth and pair, ``a - b`` paired by seed: mean, 95% t interval, ratio 2^diff, the
+  paired t test's p (stats.t_test) and, over the family, Holm's adjusted p (stats.holm)."""
   rows = []
   for depth in sorted(df.depth.unique()):
     at = df[df.depth == depth].pivot(index="seed", columns="arm", values=endpoint)
     for a, b in pairs:
-      if a not in at or b not in at:
-        continue
-      d = (at[a] - at[b]).dropna()
-      n = len(d)
-      if n < 2:
-        continue
-      mean, se = d.mean(), d.std(ddof=1) / math.sqrt(n)
-      t = stats.t.ppf(0.975, n - 1)
-      p = 2 * stats.t.sf(abs(mean / se), n - 1) if se > 0 else 0.0
-      rows.append(
-        dict(
-          family=family,
-          depth=depth,
-          comparison=f"{a} - {b}",
-          endpoint=endpoint,
-          n=n,
-          diff=mean,
-          lo=mean - t * se,
-          hi=mean + t * se,
-          ratio=2**mean,
-          p=p,
+      if a in at and b in at and len(d := (at[a] - at[b]).dropna()) >= 2:
+        mean, lo, hi, n = stats.mean_ci(d)
+        rows.append(
+          dict(family=family, depth=depth, comparison=f"{a} - {b}", endpoint=endpoint, n=n)
+          | dict(diff=mean, lo=lo, hi=hi, ratio=2**mean, p=stats.t_test(d))
         )
-      )
   out = pd.DataFrame(rows)
-  if len(out):  # Holm within the family
-    order = np.argsort(out.p.values)
-    m, adj, running = len(out), np.empty(len(out)), 0.0
-    for rank, i in enumerate(order):
-      running = max(running, min(1.0, (m - rank) * out.p.values[i]))
-      adj[i] = running
-    out["p_holm"] = adj
-  return out
+  return out.assign(p_holm=stats.holm(out["p"])) if len(out) else out
 
 
-def _t_interval(x: np.ndarray, log: bool) -> tuple[float, float, float]:
-  """Mean and 95% t interval (on log2 and back when `log`)."""
-  x = np.log2(x) if log else x
-  n = len(x)
-  m, half = x.mean(), stats.t.ppf(0.975, n - 1) * x.std(ddof=1) / math.sqrt(n)
-  back = (lambda v: 2**v) if log else (lambda v: v)
-  return back(m), back(m - half), back(m + half)
+def _t_interval(x, log: bool) -> tuple[float, float, float]:
+  """Mean and 95% t interval (on log2 and back when ``log``)."""
+  m, lo, hi, _ = stats.mean_ci(np.log2(x) if log else x)
+  return (2**m, 2**lo, 2**hi) if log else (m, lo, hi)
 
 
 def exploratory(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -150,31 +125,20 @@ def exploratory(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   groups, pairs = [], []
   for (depth, arm), g in df.groupby(["depth", "arm"]):
     for c in cols:
-      x = g[c].dropna().to_numpy(float)
-      if len(x) >= 2:
+      if len(x := g[c].dropna().to_numpy(float)) >= 2:
         m, lo, hi = _t_interval(x, c in LOG_SCALE)
         groups.append(dict(depth=depth, arm=arm, score=c, n=len(x), mean=m, lo=lo, hi=hi))
   for c in cols:
     v = np.log2(df[c].astype(float)) if c in LOG_SCALE else df[c].astype(float)
-    for (a, b), depth in (
-      (ab, d) for ab in [("hc", "mhc"), ("mhc", "residual")] for d in sorted(df.depth.unique())
-    ):
-      at = df.assign(v=v)[df.depth == depth].pivot(index="seed", columns="arm", values="v")
-      if a in at and b in at:
-        d = (at[a] - at[b]).dropna().to_numpy()
-        if len(d) >= 2:
+    scale = "log2 ratio" if c in LOG_SCALE else "difference"
+    for a, b in [("hc", "mhc"), ("mhc", "residual")]:
+      for depth in sorted(df.depth.unique()):
+        at = df.assign(v=v)[df.depth == depth].pivot(index="seed", columns="arm", values="v")
+        if a in at and b in at and len(d := (at[a] - at[b]).dropna().to_numpy()) >= 2:
           m, lo, hi = _t_interval(d, False)
           pairs.append(
-            dict(
-              depth=depth,
-              comparison=f"{a} - {b}",
-              score=c,
-              n=len(d),
-              scale="log2 ratio" if c in LOG_SCALE else "difference",
-              diff=m,
-              lo=lo,
-              hi=hi,
-            )
+            dict(depth=depth, comparison=f"{a} - {b}", score=c, n=len(d), scale=scale)
+            | dict(diff=m, lo=lo, hi=hi)
           )
   return pd.DataFrame(groups), pd.DataFrame(pairs)
 
@@ -214,15 +178,13 @@ def tables(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   """From the per-run rows (runs.csv): groups (per depth and arm: n, mean and s.d. of the primary
   endpoint, geometric-mean KL and its 95% log-scale t interval) and the pre-registered paired
   differences (primary and secondary families, each Holm-corrected)."""
-  g = df.groupby(["depth", "arm"]).primary_mean_log2_kl
-  groups = g.agg(["count", "mean", "std"]).reset_index()
-  tcrit = stats.t.ppf(0.975, groups["count"].clip(lower=2) - 1)
-  half = tcrit * groups["std"] / np.sqrt(groups["count"])
-  groups["geomean_kl_bits"] = 2 ** groups["mean"]
-  groups["lo"], groups["hi"] = 2 ** (groups["mean"] - half), 2 ** (groups["mean"] + half)
-  ep = "primary_mean_log2_kl"
+  ep, rows = "primary_mean_log2_kl", []
+  for (depth, arm), g in df.groupby(["depth", "arm"]):
+    m, lo, hi, n = stats.mean_ci(g[ep])
+    rows.append(dict(depth=depth, arm=arm, count=n, mean=m, std=g[ep].std()))
+    rows[-1] |= dict(geomean_kl_bits=2**m, lo=2**lo, hi=2**hi)
   tab = pd.concat([paired(df, PRIMARY, ep, "primary"), paired(df, SECONDARY, ep, "secondary")])
-  return groups, tab
+  return pd.DataFrame(rows), tab
 
 
 def main() -> None:
