@@ -6,7 +6,7 @@ Each RUN_DIR is a trained run (any mixer, bijection or HMM). A run whose eval.js
 papers' probes (``probes.paper``) is evaluated first (``mhc-jax eval``, 8 batches; rewrites its
 eval.json). Writes DIR/geometry.png (columns: runs; rows: key orthogonality matrix, q-k alignment
 vs evidence, value PCA coloured by entropy) and DIR/geometry_scores.csv (one row per run,
-``mhc_jax.geometry_plots.CSV_FIELDS``). Bad input: one ``error:`` line, exit 2, nothing written.
+``mhc_jax.geometry.plots.CSV_FIELDS``). Bad input: one ``error:`` line, exit 2, nothing written.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
   ap.add_argument("--runs", nargs="+", required=True, metavar="NAME=RUN_DIR")
   ap.add_argument("--out", required=True)
   a = ap.parse_args(argv)
-  from mhc_jax import geometry_plots as G
+  from mhc_jax.geometry import plots as G
 
   try:
     runs = parse_runs(a.runs)

@@ -194,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
   e.add_argument("--run", required=True, help="run directory")
   e.add_argument("--batches", type=int, default=8, help="validation batches to average")
   e.add_argument("--series", action="store_true", help="each checkpoint -> geometry_series.csv")
+  e.add_argument("--steps", help="--series: only these steps, comma-separated (0: the init)")
   e.set_defaults(fn=cmd_eval)
   c = sub.add_parser("coord-check", help="activation/update RMS against width and depth")
   c.add_argument("mixer", help="a mixer name (its options: --set model.mixer_options.K=V)")

@@ -68,7 +68,7 @@ def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys):
   assert len(m["by_position"]["kl_bits"]) == 24
 
   p = r["probes"]
-  assert set(p["controls"]) == {"key_orthogonality", "qk_alignment", "pca_entropy", "drift"}
+  assert set(p["controls"]) == {"key_orthogonality", "qk_alignment", "pca_entropy"}
   ko = p["key_orthogonality"]
   assert (
     0 <= ko["mean_abs_cos"] <= 1 and ko["hypotheses"] >= 2 and ko["reads"] == "keys before RoPE"
@@ -82,17 +82,15 @@ def test_eval_bijection_writes_metrics_and_probes(bijection_run, capsys):
   qk = p["qk_alignment"]
   assert 0 <= qk["attn_on_target"] <= 1 and qk["reads"] == "q and k before RoPE"
   assert "distance" in qk["controls"]
-  assert _finite(qk["slope_unconditioned"]) and _finite(qk["slope_old_definition"])
+  assert _finite(qk["slope_unconditioned"])
   assert qk["layer"] in (0, 1) and qk["head"] in (0, 1)
   pc = p["pca_entropy"]
   assert "position partialled out" in pc["controls"] and pc["positions"].startswith("new keys")
   assert -1 <= pc["corr_pc1_entropy"] <= 1 and pc["entropy_std_within_position"] > 0
-  assert 0 <= pc["abs_corr_pc1_entropy_old_definition"] <= 1
   assert all(0 <= v <= 1 for v in pc["explained_variance_ratio"])
-  dr = p["drift"]
-  assert dr["steps"] == [1, 2, 3, 4, 5] and isinstance(dr["attention_settles_first"], bool)
-  assert "norm-free" in dr["controls"]
-  assert len(dr["attn_drift"]) == 4 and min(dr["attn_drift"]) >= 0 and min(dr["value_drift"]) > 0
+  fp = p["paper"]["frame_precision"]
+  assert fp["steps"] == [1, 2, 3, 4, 5] and isinstance(fp["frame_before_manifold"], bool)
+  assert fp["frame_dist"][-1] == 0 and "attention settles before the value manifold" in out
   assert not list(bijection_run.glob(".eval.json.tmp*"))
 
 
@@ -164,7 +162,7 @@ def test_eval_hmm_baselines_filtering_and_larger_model_vocab(tmp_path, capsys):
   assert f["threshold_bits"] == pytest.approx(b["header_only"]["kl_bits"] / 10)
   assert f["reached"] is False  # two steps of training do not filter
   assert "header-only" in out and "last-obs" in out and "NOT reached" in out
-  assert r["probes"]["drift"]["skipped"].startswith("needs 5+ checkpoints")
+  assert r["probes"]["paper"]["frame_precision"]["skipped"].startswith("needs 3+ checkpoints")
 
 
 def test_sweep_posteval_fills_eval_json_once(bijection_run, tmp_path):
@@ -229,7 +227,10 @@ def test_eval_on_the_object_store(bijection_run, gcs, monkeypatch, capsys):
   assert f"wrote {run}/eval.json" in capsys.readouterr().out
   r = json.loads(storage.path(f"{run}/eval.json").read_text())
   assert r["run"] == run and r["step"] == 5 and r["checkpoint_steps"] == [1, 2, 3, 4, 5]
-  assert _finite(r["metrics"]["kl_bits"]) and "attention_settles_first" in r["probes"]["drift"]
+  assert (
+    _finite(r["metrics"]["kl_bits"])
+    and "frame_before_kl" in r["probes"]["paper"]["frame_precision"]
+  )
   assert "bucket/runs/x/eval.json" in keys()
   assert {p: p.read_bytes() for p in bijection_run.rglob("*") if p.is_file()} == local
   assert cli.main(["eval", "--run", f"{gcs}/runs/nope"]) == 2
@@ -239,7 +240,7 @@ def test_eval_on_the_object_store(bijection_run, gcs, monkeypatch, capsys):
 def test_previous_occurrence_finds_the_latest_earlier_token():
   """Bijection targets and the papers' q-k positions share one helper: for each asked position,
   the latest earlier position (among `seen`) holding the same token, else -1."""
-  from mhc_jax.evaluate import previous_occurrence
+  from mhc_jax.geometry.readout import previous_occurrence
 
   inputs = np.array([[3, 1, 3, 3, 1, 2]])
   seen = np.ones_like(inputs, bool)

@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import numpy as np
 
-MIN_DRIFT_CHECKPOINTS = 5
-SETTLE_MARGIN = 0.5  # attention "settles first" when its fall is below this times the values'
-
 
 def _unit(x: np.ndarray, axis: int = -1, eps: float = 1e-12) -> np.ndarray:
   x = np.asarray(x, np.float64)
@@ -29,36 +26,18 @@ def mean_by_group(values, groups, num_groups: int) -> np.ndarray:
     return np.where(count > 0, total / count, np.nan)
 
 
-def partial_out(y, strata=None, covariates=None) -> np.ndarray:
-  """Residuals of `y [N]` or `[N, D]` after removing stratum means (fixed effects) and then a
-  linear fit on `covariates [N, c]` (residualised on the strata first, Frisch-Waugh); with
-  neither, `y` is only centred."""
+def partial_out(y, strata=None) -> np.ndarray:
+  """Residuals of `y [N]` or `[N, D]` after removing stratum means (fixed effects); without
+  strata, `y` is only centred."""
   y = np.asarray(y, np.float64)
   if strata is None:
-    r = y - y.mean(axis=0, keepdims=True)
-    cov = None if covariates is None else np.asarray(covariates, np.float64)
-    if cov is not None:
-      cov = cov.reshape(len(cov), -1)
-      cov = cov - cov.mean(axis=0, keepdims=True)
-  else:
-    _, inv = np.unique(np.asarray(strata), return_inverse=True)
-    inv = inv.reshape(-1)
-
-    def demean(a):
-      a2 = a.reshape(len(a), -1)
-      sums = np.zeros((inv.max() + 1, a2.shape[1]))
-      np.add.at(sums, inv, a2)
-      cnt = np.bincount(inv).astype(np.float64)[:, None]
-      return (a2 - (sums / cnt)[inv]).reshape(a.shape)
-
-    r = demean(y)
-    cov = (
-      None if covariates is None else demean(np.asarray(covariates, np.float64).reshape(len(y), -1))
-    )
-  if cov is not None and cov.size:
-    coef, *_ = np.linalg.lstsq(cov, r.reshape(len(r), -1), rcond=None)
-    r = r - (cov @ coef).reshape(r.shape)
-  return r
+    return y - y.mean(axis=0, keepdims=True)
+  _, inv = np.unique(np.asarray(strata), return_inverse=True)
+  inv = inv.reshape(-1)
+  a2 = y.reshape(len(y), -1)
+  sums = np.zeros((inv.max() + 1, a2.shape[1]))
+  np.add.at(sums, inv, a2)
+  return (a2 - (sums / np.bincount(inv)[:, None])[inv]).reshape(y.shape)
 
 
 def _slope(x_res: np.ndarray, y_res: np.ndarray, empty: float = 0.0) -> float:
@@ -78,10 +57,10 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
   return _pearson(rank(a), rank(b))
 
 
-def _pca(X, strata=None, covariates=None, standardise: bool = False):
-  """(data residualised on strata / covariates and, when `standardise`, scaled to unit variance
-  per coordinate (constant ones dropped), explained variance ratios, components)."""
-  A = partial_out(X, strata, covariates)
+def _pca(X, strata=None, standardise: bool = False):
+  """(data residualised on strata and, when `standardise`, scaled to unit variance per
+  coordinate (constant ones dropped), explained variance ratios, components)."""
+  A = partial_out(X, strata)
   if standardise:
     sd = A.std(axis=0)
     A = A[:, sd > 1e-12] / sd[sd > 1e-12]
@@ -184,102 +163,11 @@ def qk_alignment_by_evidence(q, k, evidence, num_groups: int | None = None, dist
   return out
 
 
-def pca_vs_entropy(states, entropy, k: int = 3, strata=None, covariates=None) -> dict:
+def pca_vs_entropy(states, entropy, k: int = 3, strata=None) -> dict:
   """Leading principal components of `states [N, D]` and how they track `entropy [N]` (bits),
-  both residualised on `strata` / `covariates` first (partial correlations).
-
-  Returns `explained_variance_ratio [k]`, `components [k, D]`, `projections [N, k]`,
-  `corr_entropy [k]`, `corr_pc1_entropy`, `abs_corr_pc1_entropy`, `entropy_std`."""
-  X = np.asarray(states, np.float64)
-  h = np.asarray(entropy, np.float64)
-  if X.ndim != 2 or h.shape != X.shape[:1]:
-    raise ValueError(f"need states [N, D] and entropy [N], got {X.shape}, {h.shape}")
-  k = int(min(k, X.shape[1], X.shape[0]))
-  Xc, evr, vt = _pca(X, strata, covariates)
-  hc = partial_out(h, strata, covariates)
-  proj = Xc @ vt[:k].T
-  corr = np.array([_pearson(proj[:, i], hc) for i in range(k)])
-  return {
-    "explained_variance_ratio": evr[:k],
-    "components": vt[:k],
-    "projections": proj,
-    "corr_entropy": corr,
-    "corr_pc1_entropy": float(corr[0]),
-    "abs_corr_pc1_entropy": float(abs(corr[0])),
-    "entropy_std": float(hc.std()),
-  }
-
-
-def relative_drift(series) -> np.ndarray:
-  """The old, norm-based drift ||x_{c+1} - x_c|| / ||x_c||: series [C, ...] -> [C-1]."""
-  x = np.asarray(series, np.float64)
-  if x.ndim < 1 or x.shape[0] < 2:
-    raise ValueError(f"need at least two checkpoints, got shape {x.shape}")
-  x = x.reshape(x.shape[0], -1)
-  diff = np.linalg.norm(np.diff(x, axis=0), axis=-1)
-  return diff / np.maximum(np.linalg.norm(x[:-1], axis=-1), 1e-12)
-
-
-def attention_tv(series) -> np.ndarray:
-  """Mean total-variation distance of attention rows (last axis) between consecutive
-  checkpoints: series [C, ..., S] -> [C-1], each in [0, 1]."""
-  a = np.asarray(series, np.float64)
-  return 0.5 * np.abs(np.diff(a, axis=0)).sum(-1).reshape(a.shape[0] - 1, -1).mean(-1)
-
-
-def vector_angle(series) -> np.ndarray:
-  """Mean angle (radians) between vectors (last axis) at consecutive checkpoints:
-  series [C, ..., D] -> [C-1]. Blind to norms."""
-  u = _unit(series)
-  cos = np.clip(np.sum(u[1:] * u[:-1], axis=-1), -1.0, 1.0)
-  return np.arccos(cos).reshape(u.shape[0] - 1, -1).mean(-1)
-
-
-def drift(
-  attn_series, value_series, steps=None, *, min_checkpoints: int = MIN_DRIFT_CHECKPOINTS
-) -> dict:
-  """Attention-pattern drift vs value drift across C >= `min_checkpoints` checkpoints, in
-  norm-free units per 1000 steps (`steps [C]`; default 0..C-1, per step).
-
-  attn_series [C, ..., S], value_series [C, ..., D]. Returns `steps`, `attn_drift`,
-  `value_drift`, `attn_fall`, `value_fall`, `attn_half`, `value_half`,
-  `attention_settles_first` and the old `attn_drift_relative` / `value_drift_relative`
-  (docs/windtunnel_results.md)."""
-  a = np.asarray(attn_series, np.float64)
-  v = np.asarray(value_series, np.float64)
-  C = a.shape[0]
-  if C < min_checkpoints or v.shape[0] != C:
-    raise ValueError(
-      f"drift needs at least {min_checkpoints} checkpoints for both series, "
-      f"got {a.shape[0]} and {v.shape[0]}"
-    )
-  st = np.arange(C, dtype=np.float64) if steps is None else np.asarray(steps, np.float64)
-  if st.shape != (C,) or np.any(np.diff(st) <= 0):
-    raise ValueError(f"steps must be {C} increasing numbers, got {steps!r}")
-  scale = 1000.0 if steps is not None else 1.0
-  dt = np.diff(st) / scale
-  ad, vd = attention_tv(a) / dt, vector_angle(v) / dt
-
-  def fall(d):
-    return float(d[-1] / d[0]) if d[0] > 0 else 0.0
-
-  def half(d):
-    hit = np.nonzero(d <= 0.5 * d[0])[0]
-    return int(hit[0]) if hit.size else len(d)
-
-  af, vf = fall(ad), fall(vd)
-  return {
-    "steps": st,
-    "attn_drift": ad,
-    "value_drift": vd,
-    "attn_fall": af,
-    "value_fall": vf,
-    "attn_half": half(ad),
-    "value_half": half(vd),
-    "attention_settles_first": bool(af < SETTLE_MARGIN * vf),
-    "attn_drift_relative": relative_drift(a),
-    "value_drift_relative": relative_drift(v),
-  }
+  both residualised on `strata` first (partial correlations): :func:`value_manifold` without
+  standardising and without its null."""
+  return value_manifold(states, entropy, k=k, strata=strata, permutations=0, standardise=False)
 
 
 # ----------------------------------------------------------------- the papers' own definitions
@@ -381,24 +269,27 @@ def evidence_slope(
 
 
 def value_manifold(
-  values, entropy, *, k: int = 3, strata=None, permutations: int = 1000, seed: int = 0
+  values, entropy, *, k=3, strata=None, permutations=1000, seed=0, standardise=True
 ) -> dict:
   """Paper III's value manifold (Sec. 4.2): PCA of `values [N, D]` with every coordinate
   standardised (after demeaning within `strata`), and |r(PC1, entropy)| against the entropy
   permuted (within strata; `permutations=0`: no null keys).
 
   Returns `explained_variance_ratio [k]`, `pc1_variance`, `pc1_variance_random`,
-  `projections [N, 2]`, `corr_pc1_entropy`, `spearman_pc1_entropy`, `abs_corr_pc1_entropy`,
-  `points`, and `null_mean`, `null_std`, `z`, `p` (docs/windtunnel_results.md)."""
+  `components [k, D]`, `projections [N, k]`, `corr_entropy [k]`, `corr_pc1_entropy`,
+  `spearman_pc1_entropy`, `abs_corr_pc1_entropy`, `entropy_std`, `points`, and `null_mean`,
+  `null_std`, `z`, `p` (docs/windtunnel_results.md)."""
   X = np.asarray(values, np.float64)
   h = np.asarray(entropy, np.float64)
   if X.ndim != 2 or h.shape != X.shape[:1] or len(h) < 3:
     raise ValueError(f"need values [N >= 3, D] and entropy [N], got {X.shape}, {h.shape}")
   st = None if strata is None else np.asarray(strata)
-  Xs, evr, vt = _pca(X, strata=st, standardise=True)
-  proj = Xs @ vt[: min(2, len(vt))].T
+  Xs, evr, vt = _pca(X, strata=st, standardise=standardise)
+  kk = int(min(k, len(evr)))
+  proj = Xs @ vt[:kk].T
   hc = partial_out(h, strata=st)
-  r = _pearson(proj[:, 0], hc)
+  corr = np.array([_pearson(proj[:, i], hc) for i in range(kk)])
+  r = float(corr[0])
   rng = np.random.default_rng(seed)
   null = np.array(
     [
@@ -408,13 +299,15 @@ def value_manifold(
   )
   nulls = _null_summary(abs(r), null) if permutations > 0 else {}
   noise = np.random.default_rng(seed + 1).standard_normal(X.shape)
-  _, evr_rand, _ = _pca(noise, strata=st, standardise=True)
-  kk = int(min(k, len(evr)))
+  _, evr_rand, _ = _pca(noise, strata=st, standardise=standardise)
   return {
     "explained_variance_ratio": evr[:kk],
     "pc1_variance": float(evr[0]),
     "pc1_variance_random": float(evr_rand[0]),
+    "components": vt[:kk],
     "projections": proj,
+    "corr_entropy": corr,
+    "entropy_std": float(hc.std()),
     "corr_pc1_entropy": r,
     "spearman_pc1_entropy": _spearman(proj[:, 0], hc),
     "abs_corr_pc1_entropy": abs(r),
