@@ -22,7 +22,7 @@ def _analysis(study: str):
 
 
 @pytest.mark.parametrize("study", ["bayes_thesis"])
-def test_committed_intervals_recompute_from_runs_csv(study):
+def test_committed_intervals_recompute_from_runs_csv(study, tmp_path):
   here = STUDIES / study
   runs = pd.read_csv(here / "runs.csv")
   assert len(runs) == 96 and runs.groupby(["depth", "arm"]).size().eq(8).all()
@@ -33,9 +33,11 @@ def test_committed_intervals_recompute_from_runs_csv(study):
   pd.testing.assert_frame_equal(
     paired.reset_index(drop=True), pd.read_csv(here / "paired.csv"), check_dtype=False, rtol=1e-9
   )
-  geo_groups, geo_paired = _analysis(study).exploratory(runs)
-  for got, name in ((geo_groups, "geometry_groups.csv"), (geo_paired, "geometry_paired.csv")):
-    pd.testing.assert_frame_equal(got, pd.read_csv(here / name), check_dtype=False, rtol=1e-9)
+  assert _analysis(study).main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
+  for name in ("groups.csv", "paired.csv", "geometry_groups.csv", "geometry_paired.csv"):
+    got, want = pd.read_csv(tmp_path / name), pd.read_csv(here / name)
+    pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-9)
+  assert (tmp_path / "kl_vs_step.png").read_bytes()[:4] == b"\x89PNG"
   # the README's primary answer: no hc - mhc difference survives Holm at any depth
   primary = paired[paired.family == "primary"]
   assert list(primary.depth) == [2, 4, 8] and (primary.p_holm > 0.05).all()
@@ -305,3 +307,70 @@ def test_hc_mhc_scale_tables_recompute_from_its_summary():
   keep = [c for c in want.columns if "spikes" not in c]
   pd.testing.assert_frame_equal(arms[keep], want[keep], check_dtype=False, rtol=1e-9)
   assert len(arms) == 15 and (arms["n_seeds"] == 5).all()
+
+
+def _reported_sweep(root: Path, arms, extra: dict) -> Path:
+  """A sweep directory as the two summary-reading studies see it: report/summary.csv with a row
+  per arm x seed and each run's summary.json and metrics.jsonl (a flat loss, layer lists)."""
+  import json
+
+  import numpy as np
+
+  rows = []
+  for arm in arms:
+    for seed in (0, 1, 2):
+      name = f"arm={arm},seed={seed}"
+      rows.append(dict(run=name, depth=4, seed=seed, status="done") | extra)
+      rows[-1]["eval_loss"] = 2.0 + 0.1 * arms.index(arm) + 0.01 * seed
+      run = root / "runs" / name
+      run.mkdir(parents=True)
+      (run / "summary.json").write_text(json.dumps({"status": "done"}))
+      recs = [dict(step=s, loss=3.0 - s / 100, grad_norm=1.0) for s in range(60)]
+      layers = dict(stream_spread=[0.1, 0.2], h_res_diag=[1.0, 0.9], h_res_shift=[0.0, 0.1])
+      recs.append(dict(step=60, **layers))
+      (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, recs)) + "\n")
+  (root / "report").mkdir(parents=True)
+  pd.DataFrame(rows).to_csv(root / "report" / "summary.csv", index=False)
+  assert np.isfinite(pd.read_csv(root / "report" / "summary.csv")["eval_loss"]).all()
+  return root
+
+
+def test_summary_reading_studies_run_on_a_reported_sweep(tmp_path):
+  """mhc_init and hc_mhc_scale from their sweeps' report/summary.csv: every arm over its three
+  seeds, the pairs the studies ask for, the last layer values, and no report -> exit 2."""
+  one = dict(final_loss=2.0, stream_spread_last=0.2, max_grad_norm=1.0, h_res_diag_mean=0.95)
+  one |= dict(h_res_shift_mean=0.05, h_res_dynamic_share_mean=0.1)
+  init = _analysis("mhc_init")
+  sweep = _reported_sweep(tmp_path / "init", ["mhc_identity", "mhc_uniform", "mhc_d050"], one)
+  assert init.main([str(sweep), "--out", str(tmp_path / "a")]) == 0
+  runs = pd.read_csv(tmp_path / "a" / "runs.csv")
+  assert len(runs) == 9 and (runs["h_res_diag_min"] == 0.9).all()
+  assert (runs["h_res_shift_max"] == 0.1).all()
+  paired = pd.read_csv(tmp_path / "a" / "paired_arms.csv")
+  assert set(zip(paired["a"], paired["b"])) == {
+    ("mhc_identity", "mhc_uniform"),
+    ("mhc_identity", "mhc_d050"),
+  }
+  eval_pairs = paired[paired["metric"] == "eval_loss"].set_index("b")
+  assert eval_pairs.loc["mhc_d050", "diff_mean"] == pytest.approx(0.2)
+  assert {"h_res_layers.png", "tradeoff.png"} <= {p.name for p in (tmp_path / "a").iterdir()}
+  scale = _analysis("hc_mhc_scale")
+  gains = dict.fromkeys(scale.LOG, 1.5) | dict(final_loss=2.0)
+  sweep = _reported_sweep(tmp_path / "scale", ["residual", "hc", "mhc"], gains)
+  summary = pd.read_csv(sweep / "report" / "summary.csv")
+  summary.assign(run=summary["run"].str.replace("seed=", "regime=r,seed=")).to_csv(
+    sweep / "report" / "summary.csv", index=False
+  )
+  for d in (sweep / "runs").iterdir():
+    d.rename(d.parent / d.name.replace("seed=", "regime=r,seed="))
+  assert scale.main([str(sweep), "--out", str(tmp_path / "b")]) == 0
+  arms = pd.read_csv(tmp_path / "b" / "arms.csv")
+  assert list(arms["arm"]) == ["residual", "hc", "mhc"] and (arms["n_seeds"] == 3).all()
+  assert (arms["loss_spikes"] == 0).all() and (arms["grad_spikes"] == 0).all()
+  paired = pd.read_csv(tmp_path / "b" / "paired_arms.csv")
+  assert set(zip(paired["a"], paired["b"])) == {
+    ("residual", "mhc"),
+    ("hc", "mhc"),
+    ("residual", "hc"),
+  }
+  assert scale.main([str(tmp_path / "nothing")]) == 2

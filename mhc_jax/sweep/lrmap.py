@@ -178,7 +178,8 @@ def lr_sensitivity_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def best_lr_rows(df: pd.DataFrame) -> pd.DataFrame:
-  """The runs at their arm's own best lr (:data:`RULE`) per group of the other axes, as ``best_lr``."""
+  """The runs at their arm's own best lr (:data:`RULE`) per group of the other axes, the lr
+  column renamed ``best_lr`` (the report's paired_best_lr.csv)."""
   d, ids = df[df["steps"] > 0], [c for c in _id_columns(df) if c != "lr"]
   out = at_best_lr(d, [c for c in ids if c not in ("run", "seed")], endpoint_of(d)[0])
   out = out.rename(columns={"lr": "best_lr"})

@@ -87,13 +87,12 @@ CAPTIONS = {
   "centred on 1: white = 1, red amplifies, blue attenuates; grey = not logged or non-finite. Shown "
   "for {n_heatmaps} runs: {heatmap_text} (at most {max_heatmaps}; write_report(max_heatmaps=...) "
   "changes it).",
-  "lr_sensitivity": "Final loss (mean of the last 5% of logged losses) against learning rate (log scale), "
-  "{panel_text}; one line per group of runs that differ only in lr, coloured by mixer{style_text}. "
-  "X = a run whose final loss is NaN/inf, drawn at the initial loss, which is what it counts as in "
-  "Wortsman et al.'s LR sensitivity (LRS, in the legend; the dotted line is the initial loss). "
-  "With seeds, the line is the mean final loss over seeds and the band its 95% Student t interval, an X "
-  "marks an lr where any seed diverged, and the LRS is mean [95% CI] over the seeds' LRS. "
-  "Read: a wide flat valley (small LRS) means the mixer trains well over a broad range of lr.",
+  "lr_sensitivity": "Final loss (mean of the last 5% of logged losses) against learning rate (log "
+  "scale), {panel_text}; one line per group of runs that differ only in lr and seed (the legend "
+  "names it), the mean over seeds of min(final loss, initial loss) with its 95% Student t band. "
+  "X marks an lr where a seed diverged (non-finite, or at least 0.9 of its initial loss), counted "
+  "at the initial loss as in Wortsman et al.'s LR sensitivity (lr_sensitivity.csv). Read: a wide "
+  "flat valley means the mixer trains well over a broad range of lr.",
 }
 
 
@@ -616,100 +615,28 @@ def layer_heatmap(
   return _save(fig, path, dpi)
 
 
-# =========================================================================== lr
-def lr_sensitivity_curves(
-  runs: pd.DataFrame, lr_table: pd.DataFrame, path, *, dpi: int = 110
-) -> str | None:
-  """Final loss against lr (log x), one line per group differing only in lr (mean and 95% band
-  over seeds), diverged runs as X at the initial loss, LRS in the legend."""
-  if not len(lr_table) or "lr" not in runs.columns:
-    return None
-  d = runs[runs["steps"] > 0].assign(_lr=lambda x: _num(x["lr"]).to_numpy())
-  d = d[d["_lr"].notna()]
-  if not len(d):
-    return None
-  seeds, styles = _varying(d, "seed"), _style_cols(runs, _panel_col(d))
-  units = [c for c in lr_table.attrs["group_columns"] if not (seeds and c == "seed")]
-  tables = {tuple(map(stats._key, k)): rows for k, rows in stats.split(lr_table, units)}
-  log = _use_log(
-    np.concatenate([d["final_loss"].to_numpy(float), lr_table["loss_init"].to_numpy(float)])
-  )
-  grid = sorted(d["_lr"].unique())
-  inits, banded = {}, []
-
-  def draw(ax, members, c, ls):  # the runs of one lr_table group: all lrs and seeds
-    rows = tables[tuple(map(stats._key, members[units].iloc[0]))]
-    row = rows.iloc[0]
-    # per lr: mean over seeds and its 95% interval; NaN if any diverged
-    per = members.groupby("_lr")["final_loss"].apply(lambda v: stats.mean_ci(v.tolist()))
-    mean = pd.Series([t[0] for t in per], index=per.index)
-    init = float(np.nanmean(rows["loss_init"].to_numpy(dtype=float)))
-    inits.setdefault(ax, []).append(init)
-    label = (str(row["mixer"]) if "mixer" in row else "run") + "".join(
-      f", {c}={row[c]}" for c in styles
-    )
-    sens, s_lo, s_hi, n = stats.mean_ci(rows["lr_sensitivity"].tolist())
-    if n > 1 and np.isfinite(s_lo):
-      label += f"\n  LRS {sens:.3g} [{s_lo:.3g}, {s_hi:.3g}], {n} seeds"
-    elif np.isfinite(sens):
-      label += f"  (LRS {sens:.3g})"
-    ok = np.isfinite(mean.to_numpy())
-    x = mean.index.to_numpy()[ok]
-    ax.plot(x, mean.to_numpy()[ok], color=c, ls=ls, marker="o", label=label)
-    if n > 1:
-      lo, hi = (np.array([t[k] for t in per])[ok] for k in (1, 2))
-      ax.fill_between(x, lo, hi, color=c, **_BAND)
-      banded.append(n)
-    div = mean[~ok]
-    if len(div) and np.isfinite(init):
-      ax.plot(div.index, [init] * len(div), color=c, **_DIV)
-
-  group = lambda sub: [g for _, g in stats.split(sub, units)]  # noqa: E731
-  title = "Final loss against learning rate"
-  fig, axes, panel, *_ = _panels(d, draw, title, all_runs=runs, groups=group)
-  for ax in axes:
-    if ax in inits and np.isfinite(np.nanmedian(inits[ax])):
-      ax.axhline(float(np.nanmedian(inits[ax])), color="#888888", ls=":", lw=1)
-    ax.set_xscale("log")
-    if log:
-      ax.set_yscale("log")
-      _plain_log_ticks(ax)
-    ax.set_xticks(grid, labels=[f"{v:g}" for v in grid])
-    ax.xaxis.set_minor_formatter(NullFormatter())
-    ax.tick_params(axis="x", labelrotation=45 if len(grid) > 5 else 0)
-    ax.set_xlabel("peak learning rate")
-    if ax.get_subplotspec().is_first_col():
-      ax.set_ylabel("final loss (nats / token)")
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(loc="best", fontsize=7, frameon=False)
-  # on short lines: a wide figure legend squeezes a one-panel figure's axes to nothing
-  nan = "final loss NaN/inf\n(drawn at the initial loss)" + (
-    "\nwith seeds: any seed" if banded else ""
-  )
-  extra = [
-    Line2D([], [], color="#999999", label=nan, **_DIV),
-    Line2D([], [], color="#888888", ls=":", label="initial loss"),
-  ]
-  if banded:
-    extra.append(Patch(color=_GREY, alpha=0.22, label=f"95% CI over seeds (≤ {max(banded)})"))
-  fig.legend(handles=extra, **_LEG)
-  if panel:
-    fig.suptitle(title, fontsize=12)
-  return _save(fig, path, dpi)
-
-
 # =========================================================================== stability maps
 _GRID = dict(squeeze=False, layout="constrained")
 
 
 def lr_curves(
-  runs: pd.DataFrame, path, *, y: str = "eval_loss", panel="arm", line="depth", dpi: int = 110
+  runs: pd.DataFrame,
+  path,
+  *,
+  y: str = "eval_loss",
+  panel="arm",
+  line="depth",
+  band: bool = True,
+  best: bool = False,
+  dpi: int = 110,
 ) -> str | None:
   """Loss against lr (log x), one panel per value of the ``panel`` column(s), one line per value
   of the ``line`` column(s) (darker = larger): the seed mean of min(y, loss_init) (non-finite ->
   loss_init, as the LR sensitivity counts it) and its 95% t band; X where any seed diverged
   (lrmap.diverged), an open circle where one did not train (``runs["failure"]``), a dashed line
-  at the task's baseline. The stability maps' figure (docs/sweeps.md) and the transfer study's."""
+  at the task's baseline; ``band=False``: no band (two seeds' is too wide to read), ``best``: a
+  star at each line's lowest mean. The stability maps' figure (docs/sweeps.md), the report's and
+  the transfer study's (muP's figure: the best lr of each size)."""
   from mhc_jax.sweep import lrmap
 
   panel, line = (
@@ -722,7 +649,10 @@ def lr_curves(
     return None
   d["_y"] = np.where(np.isfinite(d["_y"]), np.fmin(d["_y"], d["loss_init"]), d["loss_init"])
   panels = stats.split(d, panel)
-  lines = sorted({k for k, _ in stats.split(d, line)})
+  lines = sorted((k for k, _ in stats.split(d, line)), key=_rank)
+  by_mixer = line[:1] == ["mixer"]  # the report's: a colour per mixer, else shades of one
+  colors = mixer_colors(d["mixer"]) if by_mixer else {}
+  grid = sorted(d["_lr"].unique())
   nr, nc = -(-len(panels) // 3), min(len(panels), 3)
   fig, axes = plt.subplots(nr, nc, figsize=(4.4 * nc, 3.4 * nr), sharex=True, sharey=True, **_GRID)
   for ax in axes.ravel()[len(panels) :]:
@@ -731,10 +661,14 @@ def lr_curves(
     for lkey, g in stats.split(sub, line):
       g, k = g.groupby("_lr"), lines.index(lkey)
       mid, lo, hi = (np.array([stats.mean_ci(v)[i] for _, v in g["_y"]]) for i in range(3))
-      c, x = _shade("#1f3b73", k, len(lines)), np.array(list(g.groups))
-      label = ", ".join(f"{col} {_fmt(v)}" for col, v in zip(line, lkey))
+      c = colors[str(lkey[0])] if by_mixer else _shade("#1f3b73", k, len(lines))
+      x, label = (
+        np.array(list(g.groups)),
+        ", ".join(f"{col} {_fmt(v)}" for col, v in zip(line, lkey)),
+      )
       ax.plot(x, mid, "o-", color=c, ms=3, label=label)
-      ax.fill_between(x, lo, hi, color=c, **_BAND)
+      ax.fill_between(x, lo, hi, color=c, **_BAND) if band else None
+      ax.plot(x[[np.nanargmin(mid)]], mid[[np.nanargmin(mid)]], "k*", ms=8) if best else None
       bad = g["diverged"].any().to_numpy(bool)
       ax.plot(x[bad], mid[bad], color=c, **_DIV)
       if "failure" in d:
@@ -742,11 +676,21 @@ def lr_curves(
         ax.plot(x[stuck], mid[stuck], "o", mfc="none", mec="#ff7f0e", ms=8, ls="")
     if "baseline" in d and np.isfinite(base := _num(d["baseline"]).mean()):
       ax.axhline(base, ls="--", lw=0.8, color="#ff7f0e", label="byte-frequency baseline")
-    ax.set(xscale="log", title=", ".join(map(str, key)), xlabel="peak learning rate")
+    ax.set(xscale="log", title=", ".join(f"{c} {_fmt(v)}" for c, v in zip(panel, key)))
+    ax.set_xticks(grid, labels=[f"{v:g}" for v in grid], minor=False)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.tick_params(axis="x", labelrotation=45 if len(grid) > 5 else 0)
+    ax.set_xlabel("peak learning rate")
     ax.set_ylabel(f"{y}, min(·, initial loss)") if ax.get_subplotspec().is_first_col() else None
     ax.grid(True, alpha=0.3)
   axes[0, 0].legend(fontsize=8, frameon=False)
   return _save(fig, path, dpi)
+
+
+def _rank(key: tuple) -> tuple:
+  """A group key's sort order: numbers by value (a missing one last), then by text."""
+  num = lambda v: isinstance(v, (int, float, np.number)) and not isinstance(v, bool) and v == v
+  return tuple((float(v) if num(v) else math.inf, str(v)) for v in key)
 
 
 def heat_norm(values: np.ndarray, *, log: bool = False, fraction: bool = False):

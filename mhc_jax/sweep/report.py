@@ -114,7 +114,7 @@ def write_report(
     if name in ("summary", "groups") or len(frame):
       storage.write_text_atomic(out / f"{name}.csv", frame.to_csv(index=False, na_rep="NaN"))
       paths[f"{name}_csv"] = str(out / f"{name}.csv")
-  figures, missing = _figures(table, tabs["lr_sensitivity"], out, paths, max_heatmaps, dpi)
+  figures, missing = _figures(table, out, paths, max_heatmaps, dpi)
   missing += _data_notes(table)
   if not len(tabs["paired"]):
     missing.append("No paired differences: fewer than two mixers have results.")

@@ -9,6 +9,7 @@ import pandas as pd
 from mhc_jax import storage
 from mhc_jax.logs import load_events, load_run
 from mhc_jax.sweep.lrmap import has_lr_axis
+from mhc_jax.sweep.report_tables import group_columns
 
 
 def _plot_frames(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -28,7 +29,19 @@ def _plot_frames(table: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   return m, pd.concat(evs, ignore_index=True) if evs else e
 
 
-def _figures(table, lr_tab, out, paths, max_heatmaps, dpi) -> tuple[list, list[str]]:
+def _lr_curves(plots, runs: pd.DataFrame, path, dpi: int) -> str | None:
+  """Final loss against lr (plots.lr_curves): a panel per depth (else width) where it varies, a
+  line per group of runs that differ only in lr and seed."""
+  d = runs[runs["steps"] > 0]
+  panel = plots._panel_col(d)
+  keep = lambda c: c not in ("lr", panel) and (c == "mixer" or plots._varying(d, c))
+  line = [c for c in group_columns(runs) if keep(c)]
+  return plots.lr_curves(
+    d, path, y="final_loss", panel=[panel] if panel else [], line=line, dpi=dpi
+  )
+
+
+def _figures(table, out, paths, max_heatmaps, dpi) -> tuple[list, list[str]]:
   """Draw the PNGs into ``out`` (their paths into ``paths``): ([(keys, title, caption)], notes
   on the figures that could not be drawn)."""
   from mhc_jax.sweep import plots  # matplotlib only when plotting
@@ -65,7 +78,7 @@ def _figures(table, lr_tab, out, paths, max_heatmaps, dpi) -> tuple[list, list[s
     ),
     "lr_sensitivity": (
       "Learning-rate sensitivity",
-      lambda p: plots.lr_sensitivity_curves(runs, lr_tab, p, dpi=dpi),
+      lambda p: _lr_curves(plots, runs, p, dpi),
       "No LR-sensitivity plot: no run on the lr grid has finished logging.",
     ),
   }

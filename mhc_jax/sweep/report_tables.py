@@ -101,24 +101,27 @@ def _ci_text(mean: float, lo: float, hi: float) -> str:
   return f"{_fmt(mean)} [{_fmt(lo)}, {_fmt(hi)}]" if ok else _fmt(mean)
 
 
-def _groups_display(groups: pd.DataFrame) -> pd.DataFrame:
-  """The groups with "mean [ci_lo, ci_hi]" cells for the :data:`SHOWN_METRICS`."""
+def _groups_display(groups: pd.DataFrame, shown=SHOWN_METRICS, log=LOG_SCALE) -> pd.DataFrame:
+  """The groups with "mean [ci_lo, ci_hi]" cells for the ``shown`` metrics (a metric's centre
+  column is :func:`stats.centre`'s, or the metric's own name as in the studies' arm tables)."""
   out = groups[[*groups.attrs.get("group_columns", []), "n_seeds"]].copy()
-  for m in SHOWN_METRICS:
-    mid = stats.centre(m, LOG_SCALE)
+  for m in shown:
+    mid = stats.centre(m, log) if stats.centre(m, log) in groups.columns else m
     if mid in groups.columns and groups[mid].notna().any():
       cells = zip(groups[mid], groups[f"{m}_ci_lo"], groups[f"{m}_ci_hi"])
-      out[f"{m} (gmean)" if m in LOG_SCALE else m] = [_ci_text(*c) for c in cells]
+      out[f"{m} (gmean)" if m in log else m] = [_ci_text(*c) for c in cells]
   return out
 
 
-def _paired_display(paired: pd.DataFrame) -> pd.DataFrame:
-  """One row per (context, mixer pair), a cell per :data:`SHOWN_METRICS` metric: "Δ <metric>"
-  (b - a) or "ratio <metric>" (b / a), mean [95% CI], with * where ``significant``."""
-  keys = [*paired.attrs.get("context_columns", []), "mixer_a", "mixer_b"]
-  d = paired[paired["metric"].isin(SHOWN_METRICS)]
-  cell = {m: ("ratio", "ratio") if m in LOG_SCALE else ("Δ", "diff") for m in SHOWN_METRICS}
-  shown = [m for m in SHOWN_METRICS if d.loc[d["metric"] == m, f"{cell[m][1]}_mean"].notna().any()]
+def _paired_display(paired: pd.DataFrame, shown=SHOWN_METRICS, log=LOG_SCALE) -> pd.DataFrame:
+  """One row per (context, pair), a cell per ``shown`` metric: "Δ <metric>" (b - a) or "ratio
+  <metric>" (b / a), mean [95% CI], with * where ``significant`` (pairs: mixer_a/mixer_b, or
+  a/b as stats.paired_stats names them)."""
+  pair = ["mixer_a", "mixer_b"] if "mixer_a" in paired.columns else ["a", "b"]
+  keys = [*paired.attrs.get("context_columns", []), *pair]
+  d = paired[paired["metric"].isin(shown)]
+  cell = {m: ("ratio", "ratio") if m in log else ("Δ", "diff") for m in shown}
+  shown = [m for m in shown if d.loc[d["metric"] == m, f"{cell[m][1]}_mean"].notna().any()]
   rows = []
   for key, g in stats.split(d, keys) if len(d) else []:
     row = {**dict(zip(keys, key)), "n_pairs": int(g["n_pairs"].max())}

@@ -20,6 +20,7 @@ from mhc_jax.sweep.report_tables import (
   group_columns,
   paired_table,
 )
+from mhc_jax.sweep.stats import _floats as _num
 
 #: Thresholds of :func:`finding` (docs/statistics.md, "The sentence under the table").
 FINDING_RULES = {
@@ -29,10 +30,6 @@ FINDING_RULES = {
   "flat_ratio": 1.2,  # ... and another's stayed: max / min over depths <= this
   "loss_rel_gap": 0.03,  # losses differ: relative gap at least 3%
 }
-
-
-def _num(s) -> np.ndarray:
-  return pd.to_numeric(pd.Series(s), errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
 
 
 def _finite(d: pd.DataFrame, col: str) -> np.ndarray:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
+import sys
 
+import numpy as np
 import pandas as pd
 
 from mhc_jax import logs
@@ -97,6 +100,37 @@ def with_baseline(runs: pd.DataFrame, **data) -> pd.DataFrame:
 _BASELINES: dict = {}  # the sources of task_baseline, by data settings (one corpus read each)
 
 
+def sweeps_cli(argv, doc: str) -> tuple[list, pathlib.Path | None] | None:
+  """The command line of a study read from its sweeps' reports (``mhc-jax report`` first),
+  ``SWEEP... [--out DIR]``: (the sweeps, the output folder, made, or None); None, with the error
+  printed, where a sweep has no report/summary.csv."""
+  ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("sweeps", type=pathlib.Path, nargs="+")
+  ap.add_argument("--out", type=pathlib.Path, default=None, help="where to write the tables")
+  a = ap.parse_args(argv)
+  for s in a.sweeps:
+    if not (s / "report" / "summary.csv").is_file():
+      print(f"error: {s}/report/summary.csv not found (run mhc-jax report first)", file=sys.stderr)
+      return None
+  if a.out is not None:
+    a.out.mkdir(parents=True, exist_ok=True)
+  return a.sweeps, a.out
+
+
+def write_tables(out, **tables: pd.DataFrame) -> None:
+  """Each table as ``out/<name>.csv`` (no index)."""
+  for name, t in tables.items():
+    t.to_csv(out / f"{name}.csv", index=False)
+
+
+def last_layers(run_dir, keys) -> dict:
+  """The per-layer values of each of ``keys`` at the run's last step that logged it."""
+  from mhc_jax.sweep.summary import _layer_lists, _merged
+
+  records = _merged(Path(run_dir) / "metrics.jsonl")
+  return {k: v[-1] for k in keys if (v := _layer_lists(records, k))}
+
+
 def report_rows(sweep, done) -> pd.DataFrame:
   """A sweep's report/summary.csv (``mhc-jax report``) with each run's ``arm`` (and ``regime``
   where its name has one), the rows where ``done(run_name)``."""
@@ -129,43 +163,15 @@ def pair_table(d, context: list[str], metrics, log, order, pairs) -> pd.DataFram
   return out[[(a, b) in pairs for a, b in zip(out["a"], out["b"])]].reset_index(drop=True)
 
 
-def ci_text(mean, lo, hi, digits: int = 3) -> str:
-  """ "mean [lo, hi]" with ``digits`` significant digits (the mean alone without an interval)."""
-  f = lambda v: f"{v:.{digits}g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"
-  if not math.isfinite(mean):
-    return "nan"
-  return f(mean) if not math.isfinite(lo) else f"{f(mean)} [{f(lo)}, {f(hi)}]"
+def show(arms: pd.DataFrame, paired: pd.DataFrame, keys: list[str], shown, log) -> None:
+  """Print :func:`arm_table` (groups of ``keys``) and :func:`pair_table` (within ``keys[0]``) as
+  the report's Markdown: the ``shown`` metrics' mean [95% CI], a pair's * where significant."""
+  from mhc_jax.sweep.report_tables import _groups_display, _paired_display, md_table
 
-
-def _markdown(header: list[str], rows: list[list]) -> str:
-  lines = ["| " + " | ".join(header) + " |", "| --- " * len(header) + "|"]
-  return "\n".join(lines + ["| " + " | ".join(map(str, r)) + " |" for r in rows])
-
-
-def arms_markdown(t: pd.DataFrame, keys: list[str], cells: dict[str, list]) -> str:
-  """``t`` (:func:`arm_table`) as Markdown: the ``keys``, n, then per header of ``cells`` its
-  metrics' :func:`ci_text` (``(metric, digits)`` pairs, " / " between them)."""
-  rows = []
-  for _, r in t.iterrows():
-    c = lambda m, k: ci_text(r[m], r[f"{m}_ci_lo"], r[f"{m}_ci_hi"], k)
-    rows.append([*r[keys], r["n_seeds"], *(" / ".join(c(*mk) for mk in v) for v in cells.values())])
-  return _markdown([*keys, "n", *cells], rows)
-
-
-def pairs_markdown(p: pd.DataFrame, context: str, cells: dict[str, str]) -> str:
-  """``p`` (:func:`pair_table`) as Markdown: a row per ``context`` and pair, a cell per header of
-  ``cells`` (its metric's difference or ratio and interval, * where significant)."""
-  rows = []
-  for (ctx, a, b), g in p.groupby([context, "a", "b"], sort=False):
-    cell = {}
-    for _, r in g.iterrows():
-      k = "ratio" if r["scale"] == "log" else "diff"
-      txt = ci_text(r[f"{k}_mean"], r[f"{k}_ci_lo"], r[f"{k}_ci_hi"])
-      cell[r["metric"]] = txt + (" *" if r["significant"] else "")
-    rows.append(
-      [ctx, f"{b} vs {a}", g["n_pairs"].iloc[0], *(cell.get(m, "") for m in cells.values())]
-    )
-  return _markdown([context, "comparison", "n pairs", *cells], rows)
+  arms.attrs["group_columns"], paired.attrs["context_columns"] = keys, keys[:1]
+  with np.errstate(all="ignore"):
+    print(md_table(_groups_display(arms, shown, log)))
+    print(md_table(_paired_display(paired, shown, log)))
 
 
 # =========================================================================== stability maps

@@ -15,7 +15,7 @@ import pandas as pd
 
 from mhc_jax import logs, metrics, rundir, storage
 from mhc_jax.errors import UsageError
-from mhc_jax.logs import flatten_dict, load_events, read_jsonl
+from mhc_jax.logs import load_events, read_jsonl
 from mhc_jax.storage import Path
 
 #: Fraction of the logged losses averaged into ``final_loss`` (at least one value).
@@ -84,12 +84,8 @@ _CONFIG_KEYS |= {"lr": "optim.lr", "seed": "train.seed"}
 # =========================================================================== one run
 def _merged(path: Path) -> list[dict[str, Any]]:
   """metrics.jsonl records merged per step (later keys win), flattened to ``eval/x`` keys."""
-  by_step: dict[Any, dict[str, Any]] = {}
-  for rec in read_jsonl(path) if path.exists() else []:
-    if isinstance(rec, dict) and rec.get("step") is not None:
-      flat = flatten_dict(rec, sep="/").items()
-      by_step.setdefault(rec["step"], {}).update({k.replace(".", "/"): v for k, v in flat})
-  return [by_step[s] for s in sorted(by_step)]
+  records = logs._records_by_step(read_jsonl(path) if path.exists() else [])
+  return [{k.replace(".", "/"): v for k, v in r.items()} for r in records]
 
 
 def _scalars(records: list[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,17 +1,18 @@
 """The pre-registered analysis of configs/studies/bayes_thesis.yaml (see its header).
 
   python docs/studies/bayes_thesis/analysis.py SWEEP_DIR [--out DIR]
+  python docs/studies/bayes_thesis/analysis.py docs/studies/bayes_thesis/runs.csv   # recompute
 
-Reads every run's metrics.jsonl and summary.json under SWEEP_DIR/runs, writes runs.csv (one row
-per run: the raw per-run summaries every interval below is computed from), groups.csv (per arm
-and depth: n, geometric mean KL and its 95% log-scale t interval) and paired.csv (the
-pre-registered paired differences with 95% t intervals, raw and Holm-adjusted p values) into
---out (default: this directory), and prints them. Runs not finished yet are left out and counted.
+Reads every finished run's metrics.jsonl, summary.json and eval.json under SWEEP_DIR/runs (runs
+not finished yet are left out and counted), or a committed runs.csv. Writes into --out (default:
+beside runs.csv, or this directory) and prints runs.csv (one row per run), groups.csv (per arm
+and depth: geometric mean KL, 95% log-scale t interval), paired.csv (the pre-registered paired
+differences: 95% t intervals, paired t test p values, Holm-adjusted within each family),
+geometry_groups.csv and geometry_paired.csv (exploratory, intervals only) and kl_vs_step.png.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import pathlib
@@ -21,7 +22,7 @@ import pandas as pd
 import yaml
 
 from mhc_jax import geometry_plots
-from mhc_jax.sweep import stats
+from mhc_jax.sweep import stats, study
 
 HERE = pathlib.Path(__file__).parent
 PRIMARY_STEPS = (999, 1249, 1499, 1749, 1999)
@@ -187,33 +188,29 @@ def tables(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
   return pd.DataFrame(rows), tab
 
 
-def main() -> None:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("sweep_dir", type=pathlib.Path)
-  ap.add_argument("--out", type=pathlib.Path, default=HERE)
-  args = ap.parse_args()
-  runs = sorted((args.sweep_dir / "runs").iterdir())
-  rows = [r for r in map(run_row, runs) if r is not None]
-  print(f"{len(rows)} of {len(runs)} runs finished")
-  if not rows:
-    return
-  df = pd.DataFrame(rows).sort_values(["depth", "arm", "seed"])
-  args.out.mkdir(parents=True, exist_ok=True)
-  df.to_csv(args.out / "runs.csv", index=False)
+def main(argv=None) -> int:
+  src, out, _ = study.cli(argv, __doc__, HERE)
+  if src.suffix == ".csv":  # recompute from a committed runs.csv
+    df = pd.read_csv(src)
+  else:
+    runs = sorted((src / "runs").iterdir())
+    rows = [r for r in map(run_row, runs) if r is not None]
+    print(f"{len(rows)} of {len(runs)} runs finished")
+    if not rows:
+      return 0
+    df = pd.DataFrame(rows).sort_values(["depth", "arm", "seed"])
+  study.save_runs(df, src, out)
   groups, tab = tables(df)
-  groups.to_csv(args.out / "groups.csv", index=False)
-  tab.to_csv(args.out / "paired.csv", index=False)
-  kl_figure(df, args.out / "kl_vs_step.png")
+  study.write_tables(out, groups=groups, paired=tab)
+  kl_figure(df, out / "kl_vs_step.png")
   geo_groups, geo_paired = exploratory(df)
   if len(geo_groups):
-    geo_groups.to_csv(args.out / "geometry_groups.csv", index=False)
-    geo_paired.to_csv(args.out / "geometry_paired.csv", index=False)
+    study.write_tables(out, geometry_groups=geo_groups, geometry_paired=geo_paired)
   with pd.option_context("display.width", 160, "display.precision", 3):
-    print(groups.to_string(index=False))
-    print(tab.to_string(index=False))
-    if len(geo_paired):
-      print(geo_paired.to_string(index=False))
+    print(groups.to_string(index=False), tab.to_string(index=False), sep="\n")
+    print(geo_paired.to_string(index=False)) if len(geo_paired) else None
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""Power of configs/studies/bayes_thesis.yaml, from its pilot (configs/studies/bayes_thesis_pilot.yaml).
+"""Power of configs/studies/bayes_thesis.yaml, from its pilot
+(configs/studies/bayes_thesis_pilot.yaml).
 
   python docs/studies/bayes_thesis/power.py   # reads pilot_runs.csv beside this file
 

@@ -6,17 +6,11 @@
 
 From a sweep directory, every finished run's ``geometry_series.csv`` (``mhc-jax eval --run R
 --series``; run here, with ``--batches``, where it is missing). Writes into ``--out`` (default:
-beside runs.csv, or docs/studies/geometry_pilot):
-
-- ``runs.csv``: one row per setting, seed and checkpoint: the setting's columns (:data:`SETTING`,
-  ``head_dim`` among them), ``seed``, ``step``, eval_loss, kl_bits, and each signature with its
-  null (``<s>``, ``<s>_null``, ``<s>_null_sd``, ``<s>_z``; docs/windtunnel_results.md, "The
-  checkpoint series"), ``frame_dist``.
-- ``by_step.csv``: per setting and checkpoint, the seeds meeting K, M and both (:func:`by_step`).
-- ``decision.csv``: per setting, the rule at its last checkpoint (:func:`decision`): ``exists``
-  yes/no, ``first_step``, each seed's key ratio and manifold z, and the secondary numbers.
-- ``signatures.png``: each signature against its null over steps, a panel each, a line per
-  setting (seeds dashed/solid), the rule's thresholds dotted.
+beside runs.csv, or docs/studies/geometry_pilot; README.md beside this file says what each
+holds): ``runs.csv`` (one row per setting, seed and checkpoint: :data:`SETTING`, each signature
+with its null; docs/windtunnel_results.md, "The checkpoint series"), ``by_step.csv``
+(:func:`by_step`), ``decision.csv`` (:func:`decision`, the rule at each setting's last
+checkpoint) and ``signatures.png`` (each signature against its null over steps).
 """
 
 from __future__ import annotations
@@ -36,27 +30,11 @@ HERE = Path(__file__).resolve().parent
 KEY_FACTOR = 1.5  # K: layer-0 token-key |cos| <= its random-direction null / 1.5
 MIN_Z = 3.0  # M: |r(PC1, entropy)| among new keys within position >= null mean + 3 null s.d.
 MIN_SEEDS = 2  # both rules on at least 2 seeds
-SETTING = [
-  "setting",
-  "replacement",
-  "supervise",
-  "target",
-  "tied_embeddings",
-  "depth",
-  "width",
-  "heads",
-  "head_dim",
-]
-CONFIG = {
-  "replacement": "data.options.replacement",
-  "supervise": "data.options.supervise",
-  "target": "data.target",
-  "tied_embeddings": "model.tied_embeddings",
-  "depth": "model.depth",
-  "width": "model.width",
-  "heads": "model.heads",
-  "seed": "train.seed",
-}
+SETTING = "setting replacement supervise target tied_embeddings depth width heads head_dim".split()
+#: Where config.yaml holds each setting column.
+CONFIG = dict(replacement="data.options.replacement", supervise="data.options.supervise")
+CONFIG |= dict(target="data.target", tied_embeddings="model.tied_embeddings")
+CONFIG |= {k: f"model.{k}" for k in ("depth", "width", "heads")} | dict(seed="train.seed")
 DEFAULTS = {"replacement": True, "supervise": "all", "tied_embeddings": True}
 #: (column, null column or None, threshold, title) of each panel of signatures.png
 PANELS = [

@@ -4,19 +4,13 @@
   python docs/studies/transfer/analysis.py SWEEP_DIR [--out docs/studies/transfer]
   python docs/studies/transfer/analysis.py docs/studies/transfer/runs.csv   # recompute
 
-Writes into ``--out`` (default: beside runs.csv, or docs/studies/transfer):
-
-- ``runs.csv``: one row per run (``mhc_jax.sweep.lrmap.runs_table``): arm, mixer,
-  parametrization, size, width, depth, lr, seed, status, loss_init, eval_loss, ..., baseline,
-  failure.
-- ``best_lr.csv``: per arm, parametrisation and size (``lrmap.lr_table``): the best lr, the loss
-  there with its 95% t interval over seeds, each seed's own best lr, the largest working lr.
-- ``transfer.csv``: per arm, parametrisation and larger size, against the base size w32_d4: the
-  drift (log2 of the best lr's ratio, from the seed-mean curve and per seed), the transfer regret
-  (loss at the base's best lr minus loss at the size's own, per seed, mean and t interval) and
-  the verdict by the study file's rule.
-- ``transfer.png``: held-out loss against lr (``plots.lr_curves``), a line per size, a panel per
-  arm x parametrisation (the figure of the muP and CompleteP papers).
+Writes into ``--out`` (default: beside runs.csv, or docs/studies/transfer; README.md beside
+this file says what each holds): ``runs.csv`` (``mhc_jax.sweep.study.read_runs``), ``best_lr.csv``
+(``lrmap.lr_table`` per arm, parametrisation and size, with each seed's own best lr),
+``transfer.csv`` (per arm, parametrisation and larger size against the base size w32_d4: the
+drift of the best lr, the transfer regret and the verdict by the study file's rule) and
+``transfer.png`` (``plots.lr_curves``: a line per size, its best lr starred, a panel per arm x
+parametrisation, the figure of the muP and CompleteP papers).
 """
 
 import math
@@ -38,12 +32,8 @@ TRANSFERS, DRIFTS, REGRET = 1.0, 2.0, 0.05
 
 
 def _seed_best(g: pd.DataFrame) -> dict:
-  """Each seed's own best lr (lowest finite eval_loss)."""
-  out = {}
-  for s, r in g.groupby("seed"):
-    y = stats._floats(r[lrmap.ENDPOINT])
-    out[int(s)] = float(r["lr"].iloc[np.nanargmin(np.where(np.isfinite(y), y, np.nan))])
-  return out
+  """Each seed's own best lr (lrmap.best_lr of its runs alone)."""
+  return {int(s): lrmap.best_lr(r) for s, r in g.groupby("seed")}
 
 
 def best_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -94,7 +84,12 @@ def main(argv=None) -> int:
   tab.to_csv(out / "transfer.csv", index=False)
   order = study.ordered(runs, ARMS, by=["parametrization", "width", "depth", "lr", "seed"])
   plots.lr_curves(
-    order, out / "transfer.png", panel=["arm", "parametrization"], line=["width", "depth"]
+    order,
+    out / "transfer.png",
+    panel=["arm", "parametrization"],
+    line=["width", "depth"],
+    band=False,
+    best=True,
   )
   print(md_table(tab.round(3)))
   return 0
