@@ -1,4 +1,4 @@
-"""``mhc-jax train | sweep | report | eval | coord-check``.
+"""``mhc-jax train | sweep | report | eval | coord-check | map``.
 
 Bad input is one ``error: ...`` line and exit 2, before anything is written; the exit codes are
 in :mod:`mhc_jax.errors`."""
@@ -153,6 +153,12 @@ def cmd_coord_check(args) -> int:
   return coord_check.main(args)
 
 
+def cmd_map(args) -> int:
+  from mhc_jax.sweep import design_map
+
+  return design_map.main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
   ap = _Parser(prog="mhc-jax", description=__doc__.splitlines()[0])
   sub = ap.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -210,6 +216,20 @@ def build_parser() -> argparse.ArgumentParser:
   c.add_argument("--out", required=True, help="a new directory for the CSV and the plot")
   c.add_argument("--quiet", action="store_true", help="no progress bar")
   c.set_defaults(fn=cmd_coord_check)
+  m = sub.add_parser("map", help="one design's row of the zoo's stability map (docs/sweeps.md)")
+  m.add_argument("mixer", help="a mixer name or pkg.module:Class")
+  _add_set_flag(m, "overrides, e.g. model.mixer_options.n=2 train.steps=300 (may be repeated)")
+  m.add_argument("--parametrization", help="sp (the zoo's), mup or completep")
+  m.add_argument("--depths", help="comma-separated (default 4,8,16: the zoo map's)")
+  m.add_argument("--lrs", help="comma-separated (default 1e-3,3e-3,...,0.3,1: the zoo map's)")
+  m.add_argument("--seeds", help="number of seeds (default 3)")
+  m.add_argument("--reference", help="zoo map rows shown (default residual,mhc,hc), or all")
+  m.add_argument("--out", help="sweep directory (default sweeps_out/map_<design>)")
+  m.add_argument("--parallel", metavar="K", help="train up to K populations at once")
+  m.add_argument("--executor", help="where the jobs run: local (default with --parallel), slurm")
+  m.add_argument("--dry-run", action="store_true", help="runs, FLOPs, a time estimate")
+  m.add_argument("--quiet", action="store_true")
+  m.set_defaults(fn=cmd_map)
   return ap
 
 

@@ -499,10 +499,10 @@ def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir) -> None:
   )
 
 
-def main(args) -> int:
+def main(args, sweep: grid.Sweep | None = None) -> int:
   """``mhc-jax sweep`` (args: sweep_file, out, set, variant, dry_run, quiet, parallel, executor,
-  the dist flags)."""
-  sweep = grid.read_sweep(args.sweep_file, args.set or [], variant=args.variant)
+  the dist flags); ``sweep``, when given, instead of reading ``args.sweep_file`` (mhc-jax map)."""
+  sweep = sweep or grid.read_sweep(args.sweep_file, args.set or [], variant=args.variant)
   parallel = how.parse_parallel(args.parallel) if args.parallel else sweep.options.get("parallel")
   raw = sweep.options.get("executor")
   kind, params = how.executor_options(raw, args.executor)
