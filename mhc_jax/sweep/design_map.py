@@ -19,22 +19,9 @@ LRS = "1e-3,3e-3,1e-2,3e-2,0.1,0.3,1"
 REFERENCE = "residual,mhc,hc"
 #: configs/text.yaml with configs/studies/zoo_map.yaml's ``set`` and its cpu variant (the test
 #: checks every run's config equals the zoo map's for the same mixer, depth, lr and seed).
-REGIME = {
-  "data.task": "text",
-  "data.options.val_fraction": 0.05,
-  "data.seq_len": 64,
-  "data.batch_size": 8,
-  "data.eval_batches": 8,
-  "model.width": 32,
-  "model.heads": 4,
-  "optim.clip": 0,
-  "optim.warmup_steps": 15,
-  "train.steps": 150,
-  "train.log_every": 1,
-  "train.diag_every": 10,
-  "train.eval_every": 150,
-  "train.ckpt_every": 0,
-}
+REGIME = """data.task=text data.options.val_fraction=0.05 data.seq_len=64 data.batch_size=8
+data.eval_batches=8 model.width=32 model.heads=4 optim.clip=0 optim.warmup_steps=15 train.steps=150
+train.log_every=1 train.diag_every=10 train.eval_every=150 train.ckpt_every=0""".split()
 #: The zoo map's rows by family (docs/studies/zoo_map/analysis.py; the test keeps them equal).
 FAMILIES = {
   "pre-LN, one stream": ["residual", "residual_qk", "value_residual", "laurel", "ortho"],
@@ -87,10 +74,10 @@ def plan(args) -> argparse.Namespace:
   lrs, seeds = _list("--lrs", args.lrs or LRS, float), _list("--seeds", args.seeds or SEEDS, int)
   if len(seeds) > 1:
     raise UsageError(f"--seeds: expected a number of seeds, got {args.seeds!r}")
-  par = {"model.parametrization": args.parametrization} if args.parametrization else {}
+  par = [f"model.parametrization={args.parametrization}"] if args.parametrization else []
   data = {
     "name": f"map_{label}",
-    "set": {**REGIME, "model.mixer": args.mixer, **par},
+    "set": [*REGIME, f"model.mixer={args.mixer}", *par],
     "axes": {"arm": {label: {"model.mixer": args.mixer}}, "model.depth": depths, "optim.lr": lrs},
     "population": ["optim.lr"],
     "seeds": seeds[0],
