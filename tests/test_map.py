@@ -87,6 +87,15 @@ def test_sentence_from_the_zoo_rows():
   assert "it falls more than mhc_identity's by two steps or more" in text
   assert "a one-step difference (from residual)" in text
   assert "its edge at depth 4, above the grid's top" in text and "any comparison" not in text
+  text = design_map.sentence(
+    tab[tab["arm"].isin(["laurel", "residual", "post_ln"])], "laurel", True
+  )
+  assert "from depth 4 to 16 its edge ends with no working lr" in text
+  assert "it falls more than residual's by two steps" in text and "post_ln's ends with" in text
+  rows = design_map.table(tab).set_index("design")
+  assert rows.loc["residual_qk", "largest working lr"] == ">= 1 / >= 1 / 0.1"
+  assert rows.loc["residual_qk", "first failure"] == "- / - / 0.3 (no_training)"
+  assert rows.loc["laurel", "largest working lr"] == "0.03 / none / none"
 
 
 def test_map_end_to_end(tmp_path, monkeypatch, capsys):

@@ -119,7 +119,7 @@ def table(tab: pd.DataFrame) -> pd.DataFrame:
     "best lr": lambda r: _g(r.best_lr),
     "largest working lr": _edge,
     "first failure": lambda r: (
-      f"{_g(r.first_failing_lr)} ({r.first_failure})" if r.first_failure else "-"
+      f"{_g(r.first_failing_lr)} ({r.first_failure})" if isinstance(r.first_failure, str) else "-"
     ),
     "LR sensitivity": lambda r: _g(r.lr_sensitivity, ".2f"),
   }
@@ -131,15 +131,21 @@ def table(tab: pd.DataFrame) -> pd.DataFrame:
   return pd.DataFrame(rows)
 
 
-def _fall(g: pd.DataFrame) -> int:
-  """Half-decade grid steps the edge falls from the shallowest depth to the deepest (no working
-  lr counts one step below the first failing lr)."""
-  g = g.sort_values("depth")
-  e = g["largest_working_lr"].fillna(g["first_failing_lr"] / 10**0.5).to_numpy(float)
-  return round(2 * math.log10(e[0] / e[-1]))
+def _fall(g: pd.DataFrame) -> float:
+  """Half-decade grid steps the edge falls from the shallowest depth to the deepest; inf where it
+  ends with no working lr ("none": the best lr's own runs failed), -inf where it starts so,
+  NaN where both ends have none."""
+  e0, e1 = g.sort_values("depth")["largest_working_lr"].to_numpy(float)[[0, -1]]
+  if math.isnan(e0) or math.isnan(e1):
+    return math.nan if math.isnan(e0) and math.isnan(e1) else math.copysign(math.inf, e0 - e1)
+  return round(2 * math.log10(e0 / e1))
 
 
-def _moves(k: int, s: str = "s") -> str:
+def _moves(k: float, s: str = "s") -> str:
+  if math.isnan(k):
+    return f"ha{'s' if s else 've'} none at either end"
+  if math.isinf(k):
+    return f"end{s} with no working lr" if k > 0 else f"start{s} with none"
   return (
     f"hold{s}" if k == 0 else f"{'fall' if k > 0 else 'rise'}{s} {abs(k)} step{'s' * (abs(k) > 1)}"
   )
