@@ -135,7 +135,7 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
       x = np.maximum(g["step"], 10)  # the initialisation drawn at step 10 on the log axis
       if col == "key_ratio":
         for h in heads:
-          ax.plot(x, g[h] / g["key_cos_null"], lw=0.8, label=f"{arm} s{seed} {h[-2:]}")
+          ax.plot(x, g[h] / g["key_cos_null"], ".-", lw=0.8, label=f"{arm} s{seed} {h[-2:]}")
       else:
         ax.plot(x, g[col], "o-", ms=3, label=f"{arm} seed {seed}")
       if col == "value_r_new_wp_z":
@@ -143,11 +143,14 @@ def figure(runs: pd.DataFrame, path: Path) -> None:
         ax.plot(np.maximum(on["step"], 10), on[col], "ks", ms=6)
     if theirs:
       ax.plot(AUTHORS["step"], AUTHORS[theirs], "k^--", ms=4, label="authors (dense run)")
+    if col in ("mae", "kl_bits"):
+      ax.axhline(runs[f"{col}_uniform"].median(), color="grey", ls=":", label="uniform guess")
     if col == "mae":
       ax.plot(list(AUTHORS_PILOTS), list(AUTHORS_PILOTS.values()), "kx", ms=7, label="their pilots")
     for y in {"frame_ratio": (3.0, 2.0, 1.5), "value_r_new_wp_z": (3.0,)}.get(col, ()):
       ax.axhline(y, color="grey", lw=0.6, ls=":")
     ax.set_xscale("log")
+    ax.set_xlim(7, 3500)
     ax.set_yscale("log" if logy else "linear")
     ax.set_xlabel("step (init at 10)")
     ax.set_title(title, fontsize=9)
