@@ -148,6 +148,7 @@ def test_frame_overlap_reads_a_planted_frame_and_not_noise():
   inside = W @ rng.normal(size=(k, 40))  # Jacobian rows inside the frame
   noise = rng.normal(size=(C, 40))
   planted = np.stack([[inside @ inside.T] * T, [noise @ noise.T] * T])  # layer 0 planted
+  planted[:, -1] = 0  # the last position has no later target: left out, not read as a basis
   r = frame.frame_overlap(planted, np.arange(T), F, rank=8, nulls=300)
   assert r["null_mean"] == pytest.approx(k / C, rel=0.05)
   assert r["ratio_by_layer"][0] == pytest.approx(C / k, rel=0.05)  # overlap 1: 4x the null

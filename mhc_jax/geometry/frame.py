@@ -103,12 +103,14 @@ def orthonormal(directions) -> np.ndarray:
 
 def frame_overlap(grams, positions, frame, *, rank=FRAME_RANK, nulls=FRAME_NULLS, seed=0) -> dict:
   """Overlap of each J-space (top-`rank` eigenvectors of ``grams [K, T, C, C]`` at `positions`)
-  with the span of `frame [k, C]`, against `nulls` random `rank`-dimensional subspaces.
+  with the span of `frame [k, C]`, against `nulls` random `rank`-dimensional subspaces. A
+  position with no Jacobian rows (no later target: a zero Gram) is left out, as theirs.
 
   Returns ``ratio`` (mean overlap / null mean), ``overlap``, ``null_mean``, ``null_std``
   (of one random subspace's overlap), ``ratio_by_layer [K]``."""
   W = orthonormal(frame)
   g = np.asarray(grams, np.float64)[:, np.asarray(positions)]
+  g = g[:, np.einsum("kpcc->p", np.abs(g)) > 0]
   _, vecs = np.linalg.eigh(g)  # ascending eigenvalues
   U = vecs[..., -rank:]
   ov = np.sum(np.einsum("kpcr,cf->kprf", U, W) ** 2, axis=(-2, -1)) / min(rank, W.shape[1])
