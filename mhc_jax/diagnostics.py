@@ -5,11 +5,9 @@ The function names are the metric names in the logs; what each means is in docs/
 depth order (attn_0, mlp_0, attn_1, ...); ``x_l`` enters layer ``l`` and
 ``x_{l+1} = H_res x_l + H_postᵀ F(H_pre x_l)``.
 
-The Amax gain (the mHC paper's "Amax Gain Magnitude") is the gain of the all-ones signal,
-``max_i |sum_j h_ij|`` forward and ``max_j |sum_i h_ij|`` backward, not the induced inf/1 norm
-(absolute values before summing); the two agree for non-negative matrices such as every
-Sinkhorn-projected ``H_res``. Ratios are plain divisions: a zero denominator gives inf (0/0
-NaN), which the logs record rather than hide behind an epsilon.
+The Amax gain is that of the all-ones signal (absolute value after summing, not the induced
+inf/1 norm; the two agree for non-negative matrices such as every Sinkhorn-projected ``H_res``).
+Ratios are plain divisions: a zero denominator gives inf (0/0 NaN), which the logs record.
 """
 
 from __future__ import annotations
@@ -24,14 +22,8 @@ from jax import lax
 LOG_FLOOR = 1e-30
 
 # Scalar stats from the model that layer_metrics passes through unchanged when present.
-_PASS_THROUGH = (
-  "sinkhorn_err",
-  "stream_spread",
-  "attn_logit_max",
-  "out_logit_max",
-  "logsumexp_mean",
-  "logsumexp_max",
-)
+_PASS_THROUGH = ("sinkhorn_err", "stream_spread", "attn_logit_max", "out_logit_max")
+_PASS_THROUGH += ("logsumexp_mean", "logsumexp_max")
 
 
 def _f32(x) -> jax.Array:
@@ -45,42 +37,22 @@ def gain_fwd(rms_in, rms_out) -> jax.Array:
 
 
 def branch_ratio(branch_rms, rms_in) -> jax.Array:
-  """Branch-to-stream ratio per layer: RMS(F) / RMS(stream in).
-
-  A ratio of per-element RMS values. For ``n`` streams the ratio of Frobenius norms
-  ``||F|| / ||x||`` is this divided by ``sqrt(n)`` (F has C channels, x has n*C).
-  """
+  """Branch-to-stream ratio per layer: RMS(F) / RMS(stream in), per-element RMS values (for
+  ``n`` streams the ratio of Frobenius norms ``||F|| / ||x||`` is this over ``sqrt(n)``)."""
   return _f32(branch_rms) / _f32(rms_in)
 
 
 def growth_exponent(rms_first, rms_last, depth) -> jax.Array:
-  """Depth growth exponent ``lambda = (1/depth) * ln(rms_last / rms_first)``.
-
-  docs/interfaces.md "Depth growth exponent". Pass the two ends in the order the signal
-  travels, so growth along the pass is positive for both passes: for activations RMS(x_0)
-  then RMS(x_out); for gradients the gradient RMS at the output end (the collapse input)
-  then at the input end (the stream entering layer 0), so a gradient that grows on its way
-  back to the input gives a positive exponent. ``depth`` is the number of layers between
-  the two ends (the train step uses the 2L mixer layers for both).
-  """
+  """Depth growth exponent ``(1/depth) * ln(rms_last / rms_first)``, the two ends in the order
+  the signal travels (gradients: output end first); docs/interfaces.md, "Depth growth exponent"."""
   return jnp.log(_f32(rms_last) / _f32(rms_first)) / _f32(depth)
 
 
 def gain_bwd(grad_rms, grad_rms_out=None) -> jax.Array:
-  """Backward gain per layer from gradient RMS values.
-
-  ``grad_rms[l]`` is the RMS of dLoss/dx_l, the gradient w.r.t. the stream state entering
-  layer ``l`` ([..., 2L]). The backward gain of layer ``l`` is the factor by which it
-  scales the gradient passing through it, from its output to its input:
-
-      gain_bwd[l] = grad_rms[l] / grad_rms[l + 1]        for l < 2L - 1
-      gain_bwd[2L-1] = grad_rms[2L-1] / grad_rms_out
-
-  where ``grad_rms_out`` is the RMS of the gradient w.r.t. the stream state leaving the
-  last layer (the input of ``collapse``). Without it the last entry is NaN, so the output
-  always has length 2L. Note this is the reciprocal orientation of ``gain_fwd``'s
-  out/in: both are "size after the layer's pass / size before" in the pass's direction.
-  """
+  """Backward gain per layer, the factor by which layer ``l`` scales the gradient passing back:
+  ``grad_rms[l] / grad_rms[l + 1]``, ``grad_rms [..., 2L]`` the RMS of dLoss/d(stream entering
+  layer l); the last layer's divides by ``grad_rms_out`` (leaving it: the collapse input), NaN
+  without it. Like ``gain_fwd``: size after the layer's pass / size before, in its direction."""
   g = _f32(grad_rms)
   if grad_rms_out is None:
     nxt = jnp.full(g.shape[:-1] + (1,), jnp.nan, dtype=jnp.float32)
@@ -113,12 +85,8 @@ def amin_bwd(h) -> jax.Array:
 
 
 def composite(h_L) -> jax.Array:
-  """Running products over depth: ``P_l = H_l @ H_{l-1} @ ... @ H_0``.
-
-  ``h_L``: [..., 2L, n, n] with the layer axis third from last (any leading batch axes,
-  e.g. a population). Returns the same shape. Uses a parallel associative scan, so the
-  products are grouped differently from a left-to-right loop (same result up to rounding).
-  """
+  """Running products ``P_l = H_l @ ... @ H_0`` of ``h_L [..., 2L, n, n]`` (same shape), by a
+  parallel associative scan (equal to a left-to-right loop up to rounding)."""
   h = _f32(h_L)
   # associative_scan combines (earlier, later); the later layer multiplies on the left.
   return lax.associative_scan(lambda a, b: jnp.matmul(b, a), h, axis=-3)
@@ -126,24 +94,16 @@ def composite(h_L) -> jax.Array:
 
 @jax.jit
 def suffix(h_L) -> jax.Array:
-  """Suffix products over depth: ``S_l = H_{2L-1} @ ... @ H_{l+1} @ H_l`` ([..., 2L, n, n]).
-
-  The map from the stream entering layer ``l`` to the output (the mHC paper's Eq. 4).
-  ``S_0`` equals the whole-depth prefix product ``P_{2L-1}`` (up to rounding).
-  """
+  """Suffix products ``S_l = H_{2L-1} @ ... @ H_l`` ([..., 2L, n, n]): layer ``l`` to the output
+  (the mHC paper's Eq. 4); ``S_0`` is the whole-depth prefix product ``P_{2L-1}``."""
   h = jnp.flip(_f32(h_L), axis=-3)
   # Reversed, the earlier element is the later layer, which multiplies on the left.
   return jnp.flip(lax.associative_scan(jnp.matmul, h, axis=-3), axis=-3)
 
 
 def token_composite_gains(h_tok) -> dict[str, jax.Array]:
-  """Gains of per-token prefix products, summarised over the token sample.
-
-  ``h_tok``: [..., 2L, S, n, n], the ``H_res`` of S sampled tokens at every layer (the same
-  tokens at every layer). Each token's own product ``P_l(s) = H_l(s) @ ... @ H_0(s)`` is
-  formed, and its forward/backward Amax is averaged and maxed over the S tokens. Returns
-  ``amax_{fwd,bwd}_composite_tok_{mean,max}`` ([..., 2L] each).
-  """
+  """``amax_{fwd,bwd}_composite_tok_{mean,max}`` ([..., 2L] each): the Amax gains of each sampled
+  token's own prefix product, averaged and maxed over the tokens (``h_tok [..., 2L, S, n, n]``)."""
   p = composite(jnp.swapaxes(_f32(h_tok), -3, -4))  # [..., S, 2L, n, n]
   out = {}
   for d, fn in (("fwd", amax_fwd), ("bwd", amax_bwd)):
@@ -169,13 +129,9 @@ def _log_colsum_max_of(p, floor: float = LOG_FLOOR) -> jax.Array:
 
 
 def log_colsum_max(h_L, floor: float = LOG_FLOOR) -> jax.Array:
-  """``max_j |log(column sum j of P_l)|`` per depth ([..., 2L, n, n] -> [..., 2L]).
-
-  0 for an exactly (column-)stochastic composite. A non-positive column sum (possible for
-  unconstrained HC) has no log; we use ``log(max(|s|, floor))`` with ``floor = 1e-30``:
-  the sign is dropped and a zero sum reads as |log 1e-30| ~ 69, i.e. "very far off".
-  NaN column sums stay NaN.
-  """
+  """``max_j |log(column sum j of P_l)|`` per depth ([..., 2L, n, n] -> [..., 2L]), 0 for a
+  column-stochastic composite; a sum ``s`` is read as ``max(|s|, floor)`` (unconstrained HC can
+  give s <= 0: a zero sum reads as ~69, "very far off"); NaN stays NaN."""
   return _log_colsum_max_of(composite(h_L), floor)
 
 
@@ -187,13 +143,8 @@ def h_res_diag(h_L) -> jax.Array:
 
 
 def h_res_dynamic_share(h_tok) -> jax.Array:
-  """Share of the token sample's ``H_res`` that is token-dependent ([..., 2L, S, n, n] -> [..., 2L]).
-
-  ``Σ_s ||H_s - H̄||² / Σ_s ||H_s - J/n||²`` with ``H̄`` the sample mean: the token variance's
-  part of the second moment about ``J/n`` (``Σ_s ||H_s - J/n||² = S ||H̄ - J/n||² + Σ_s
-  ||H_s - H̄||²``), so it lies in [0, 1]; 0 for a static ``H_res`` (and where every ``H_s`` is
-  ``J/n``), 1 where the token-averaged ``H_res`` is ``J/n``. docs/interfaces.md.
-  """
+  """``Σ_s ||H_s - H̄||² / Σ_s ||H_s - J/n||²`` over the token sample ([..., 2L, S, n, n] ->
+  [..., 2L]), in [0, 1], 0 for a static ``H_res``; docs/interfaces.md."""
   h = _f32(h_tok)
   n = h.shape[-1]
   var = jnp.sum(jnp.square(h - jnp.mean(h, axis=-3, keepdims=True)), axis=(-3, -2, -1))
@@ -207,11 +158,8 @@ def _sq_leaves(tree):
 
 
 def tree_layer_norms(tree) -> jax.Array:
-  """L2 norm per layer across all leaves of a pytree with a leading layer axis -> [L].
-
-  For the scanned parameters (or their gradients): every leaf is [L, ...]. Raises
-  ValueError for an empty tree or mismatched leading axes (a trace-time check).
-  """
+  """L2 norm per layer across all leaves of a pytree whose leaves are [L, ...] (the scanned
+  parameters or their gradients) -> [L]; ValueError for an empty tree or mismatched axes."""
   leaves = _sq_leaves(tree)
   if not leaves:
     raise ValueError("tree_layer_norms: empty pytree (no leaves, so no layer axis)")
@@ -243,19 +191,11 @@ def tree_rms(tree) -> jax.Array:
 def layer_metrics(
   stats: Mapping[str, Any], grad_rms=None, grad_rms_out=None
 ) -> dict[str, jax.Array]:
-  """All per-layer metrics from the stacked mixer stats of docs/interfaces.md.
-
-  ``stats`` holds ``h_res [2L, n, n]``, ``h_res_tok [2L, S, n, n]``, ``rms_in``,
-  ``rms_out``, ``branch_rms`` [2L] (any may be missing, its metrics are then skipped).
-  Returns ``gain_fwd``, ``branch_ratio``, ``amax_fwd``, ``amax_bwd``,
-  ``amax_{fwd,bwd}_composite``, ``amin_{fwd,bwd}_composite``, ``amax_{fwd,bwd}_suffix``,
-  ``log_colsum_max``, ``h_res_diag`` (token-averaged ``h_res``, itself passed on as
-  ``h_res_avg [2L, n, n]``), ``amax_{fwd,bwd}_composite_tok_{mean,max}`` and
-  ``h_res_dynamic_share`` (per-token ``h_res_tok``), all [2L], and with ``grad_rms`` given also ``grad_rms`` and
-  ``gain_bwd`` (see :func:`gain_bwd` for ``grad_rms_out``). ``sinkhorn_err``, ``stream_spread``,
-  ``attn_logit_max`` and the scalar ``out_logit_max``, ``logsumexp_mean``,
-  ``logsumexp_max`` are passed through (as float32) when present.
-  """
+  """The per-layer metrics (docs/interfaces.md) of the stacked mixer stats (``h_res [2L, n, n]``,
+  ``h_res_tok [2L, S, n, n]``, ``rms_in``, ``rms_out``, ``branch_rms [2L]``; the metrics of a
+  missing one are skipped) and ``grad_rms`` / ``grad_rms_out`` (:func:`gain_bwd`); the
+  token-averaged ``h_res`` is passed on as ``h_res_avg``, the :data:`_PASS_THROUGH` stats as
+  float32."""
   out: dict[str, jax.Array] = {}
   if "rms_in" in stats and "rms_out" in stats:
     out["gain_fwd"] = gain_fwd(stats["rms_in"], stats["rms_out"])
