@@ -1,22 +1,10 @@
 """Loss / gradient-norm spike detection and divergence rules (host side, numpy).
 
-Streaming detectors are fed one value per step by the training loop and can be saved in
-and restored from a checkpoint (``state_dict`` / ``load_state_dict``, JSON-safe plain
-Python values), so a resumed run makes exactly the same decisions as an uninterrupted one.
-The offline functions at the bottom analyse whole logged series: ``spike_mask`` (the streaming
-rule over a whole series: the same decisions as the monitor the trainer runs, when every step
-is logged) and the learning-rate sensitivity of Wortsman et al. (2023).
-
-* :class:`RollingSpikeDetector`: a value is a spike when
-
-      value > last + median(last 8 step changes) + median(surprises)
-              + threshold * max(1.4826 * MAD(surprises), rel_std_floor * |last|)
-
-  over the trailing ``window`` finite values, a step change's *surprise* being its difference
-  from the median of the 8 changes before it (:func:`spike_threshold`). It works from
-  ``min_history`` (8) values; non-finite values are always spikes and never enter the history.
-  docs/statistics.md ("Spikes") explains the choices and compares the rule with OLMo-core's.
-* :class:`DivergenceRule` (llm-foundry ``KillLossSpike`` style): see its docstring.
+The streaming detectors, fed one value per step by the training loop, save and restore their
+state with a checkpoint (JSON-safe), so a resumed run decides exactly as an uninterrupted one.
+The spike rule (:func:`spike_threshold`), its choices and how it compares with OLMo-core's:
+docs/statistics.md ("Spikes"). Offline: ``spike_mask`` (the streaming rule over a whole series)
+and the learning-rate sensitivity of Wortsman et al. (2023).
 """
 
 from __future__ import annotations
@@ -50,9 +38,9 @@ def _recent_medians(d: np.ndarray, m: int) -> np.ndarray:
 
 def spike_threshold(history, threshold: float = 6.0, rel_std_floor: float = 1e-2) -> float:
   """The bar the next value must exceed to be a spike, from the trailing ``history`` (oldest
-  first, at least 3 finite values); the rule of the module docstring:
-  ``last + median(last 8 step changes) + median(surprises) + threshold * max(1.4826 *
-  MAD(surprises), rel_std_floor * |last|)``."""
+  first, at least 3 finite values): ``last + median(last 8 step changes) + median(surprises) +
+  threshold * max(1.4826 * MAD(surprises), rel_std_floor * |last|)``, a step change's surprise
+  being its difference from the median of the 8 changes before it."""
   h = np.asarray(history, dtype=np.float64)
   d = np.diff(h)  # step changes
   expected = _recent_medians(d, TREND_STEPS)  # expected[j]: median of the changes up to j
@@ -90,7 +78,8 @@ class _Saved:
 
 
 class RollingSpikeDetector(_Saved):
-  """Streaming robust spike detector over a trailing window (:func:`spike_threshold`)."""
+  """Streaming robust spike detector over a trailing window (:func:`spike_threshold`), from
+  ``min_history`` values; a non-finite value is a spike and never enters the history."""
 
   def __init__(
     self,
@@ -142,13 +131,10 @@ class RollingSpikeDetector(_Saved):
 class SpikeMonitor(_Saved):
   """Loss and grad-norm spike detection plus a running spike score.
 
-  ``update(step, loss, grad_norm=None) -> (events, spike_score)``: ``events`` is a list of
-  event dicts in the docs/interfaces.md format (kinds ``spike/loss``, ``spike/grad``) for the
-  finite values above their threshold. A non-finite step is not a spike (the trainer logs one
-  ``nonfinite`` event for it): feed it to :meth:`skip`, which leaves the detectors' histories
-  alone but counts the step as unstable in the score. ``spike_score`` is the fraction of
-  unstable steps (a spike or non-finite) among the last ``score_window`` steps (among all
-  steps so far while fewer); ``total_spikes`` counts the steps with a spike.
+  ``update(step, loss, grad_norm=None) -> (events, spike_score)``: the ``spike/loss`` and
+  ``spike/grad`` events (docs/interfaces.md) of the finite values above their threshold. A
+  non-finite step goes to :meth:`skip` instead. ``spike_score``: the fraction of unstable steps
+  (a spike or non-finite) among the last ``score_window``; ``total_spikes``: steps with a spike.
   """
 
   def __init__(
@@ -200,21 +186,15 @@ class SpikeMonitor(_Saved):
 class DivergenceRule(_Saved):
   """Persistent divergence of the training loss (llm-foundry ``KillLossSpike`` style).
 
-  ``update(loss) -> bool`` returns True once the run has diverged (and stays True: the
-  decision is latched; ``reason`` and ``threshold`` say why). A step is *bad* if
+  ``update(loss) -> bool`` is True once the run has diverged (latched; ``reason`` and
+  ``threshold`` say why): after ``patience`` bad steps in a row, a step being bad when
 
-  * ``loss > factor * mean(last window losses)`` — only once a full window of previous
-    losses exists, as in llm-foundry; every finite loss enters the window, bad or not; or
-  * ``loss > initial loss`` (the first loss fed) after ``warmup`` updates
-    (default ``warmup = window``: a loss still above its starting value after the first
-    window of steps is going the wrong way).
-
-  * the loss is non-finite (a step the trainer skipped or halted on); it does not enter
-    the window.
-
-  Divergence is declared after ``patience`` bad steps in a row; ``reason`` is the last
-  step's (``"ratio"``, ``"above_init"`` or ``"nonfinite"``). So a run whose every update is
-  skipped as non-finite diverges, while a single skipped step does not.
+  * ``loss > factor * mean(last window losses)``, once a full window exists (every finite loss
+    enters the window, bad or not; as in llm-foundry): ``reason`` ``"ratio"``;
+  * ``loss > initial loss`` (the first fed) after ``warmup`` updates (default ``window``: still
+    above its start after a window of steps is going the wrong way): ``"above_init"``;
+  * the loss is non-finite (a skipped step; not in the window): ``"nonfinite"``. So a run whose
+    every update is skipped diverges, one skipped step does not.
   """
 
   def __init__(
@@ -276,13 +256,9 @@ def spike_mask(
 def lr_sensitivity(
   losses_by_lr: Mapping[float, float] | Sequence[float], loss_init: float
 ) -> float:
-  """LR sensitivity (Wortsman et al.): ``mean_eta min(loss(eta), loss_init) - min_eta loss(eta)``.
-
-  ``losses_by_lr``: final loss per learning rate on the grid ({lr: loss} or a sequence).
-  A non-finite loss (diverged run) counts as ``loss_init``. The minimum is taken over the
-  capped losses, so the result is >= 0 (it only differs from the raw minimum when no LR
-  beats ``loss_init``, where it gives 0).
-  """
+  """LR sensitivity (Wortsman et al.): ``mean_eta min(loss(eta), loss_init) - min_eta loss(eta)``
+  of the final loss per lr on the grid ({lr: loss} or a sequence), a non-finite loss counted as
+  ``loss_init``; the minimum is over the capped losses, so the result is >= 0."""
   values = list(losses_by_lr.values()) if isinstance(losses_by_lr, Mapping) else list(losses_by_lr)
   if not values:
     raise ValueError("lr_sensitivity: empty LR grid")
