@@ -9,8 +9,9 @@ inline code span (even one that wraps over lines) and an indented line of a conf
 config, data, mesh, the model's initialisation, and for train the step traced on abstract
 values; nothing written), in-process through ``cli.main``. Commands that differ only in where
 they write (``--out``) or how many runs train at once (``--parallel``) dry-run once and every
-one of them is parsed; a study's dry run prepares each of its hundreds of runs, so this is what
-keeps the test to about a minute. ``report`` runs on a synthetic sweep directory; an ``eval``
+one of them is parsed (a study's dry run prepares each of its hundreds of runs: the studies'
+dry runs are most of this test's time, docs/results.md "make test"). ``report`` runs once, on a
+synthetic sweep directory (the others are parsed); an ``eval``
 command's run directory must be the ``--out`` of a train command in the same file, and the slow
 test trains the config headers' runs for two steps and runs each eval command as written;
 ``coord-check`` commands are parsed (it trains: tests/test_coord_check.py runs one).
