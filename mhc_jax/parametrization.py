@@ -15,7 +15,9 @@ to a base model: ``m_d = width / base_width``, ``m_L = depth / base_depth``, ``�
 | ``res`` (on the stream itself: ``H_res``, post-norm gains) | ``m_L^-1`` | 1 | 1 |
 | ``res_readout`` (``H_res``'s projection, fan-in ∝ width) | ``m_d^-1 m_L^-1`` | ``m_d`` | 1 |
 
-and for every parameter Adam's ε ``× m_d^-1 m_L^-α``, every branch output ``× m_L^-α``, the
+and Adam's ε ``× m_d^-1`` for every parameter, ``× m_L^-α`` more for those whose gradient
+passes the branch multiplier (``block/`` roles other than ``res*``; Complete(d)P, arXiv:2512.22382,
+Eq. 40: the embedding and unembedding take ``ε / m_d``), every branch output ``× m_L^-α``, the
 logits ``× 1/m_d`` (both forms: ``h·W / (sqrt(base_width) m_d)``, ``W`` the tied embedding or
 ``sqrt(base_width)`` x the untied head, entries ~1), and with ``base_head_dim`` set the
 attention logits ``× sqrt(base_head_dim / head_dim)`` (µP's ``1/head_dim``). The lr multipliers
@@ -71,13 +73,8 @@ def query_multiplier(cfg) -> float:
   return (b / (cfg.width // cfg.heads)) ** 0.5
 
 
-def eps_multiplier(cfg) -> float:
-  m_d, m_l, alpha = factors(cfg)
-  return 1.0 / (m_d * m_l**alpha)
-
-
 def multipliers(cfg, label: str) -> dict[str, float]:
-  """``{"lr", "wd", "init"}`` of a label (``block/<role>`` or ``top/<role>``)."""
+  """``{"lr", "wd", "init", "eps"}`` of a label (``block/<role>`` or ``top/<role>``)."""
   where, role = label.split("/")
   m_d, m_l, alpha = factors(cfg)
   wide = role in ("hidden", "readout", "res_readout")
@@ -85,7 +82,11 @@ def multipliers(cfg, label: str) -> dict[str, float]:
   # on it directly, a product of 2L of them: 1/m_L each keeps their sum over depth O(1)
   depth = 1.0 if where == "top" else m_l ** (-1.0 if role.startswith("res") else alpha - 1)
   init = m_d**0.5 if role == "output" else 1.0
-  return {"lr": depth / m_d if wide else depth, "wd": m_d if wide else 1.0, "init": init}
+  # the gradient scales like 1/m_d everywhere, and like m_L^-alpha more through a branch
+  branch = where == "block" and not role.startswith("res")
+  eps = 1.0 / (m_d * (m_l**alpha if branch else 1.0))
+  lr = depth / m_d if wide else depth
+  return {"lr": lr, "wd": m_d if wide else 1.0, "init": init, "eps": eps}
 
 
 def _keys(path) -> list[str]:
@@ -122,13 +123,21 @@ def labels(params, cfg):
   return jax.tree_util.tree_map_with_path(label, params)
 
 
-def scale_by_role(cfg, weight_decay, decay_mask) -> optax.GradientTransformation:
-  """Per label: ``(update + weight_decay·wd·p [where decay_mask]) · lr`` (the multipliers of
-  :func:`multipliers`), one optax ``multi_transform`` over :func:`labels`."""
+def scale_by_role(cfg, adam: dict, weight_decay, decay_mask) -> optax.GradientTransformation:
+  """Per label: ``(adam(g; ε·eps) + weight_decay·wd·p [where decay_mask]) · lr`` (the
+  multipliers of :func:`multipliers`; ``adam``: optax.scale_by_adam's b1, b2, eps), one optax
+  ``multi_transform`` over :func:`labels`. Where every label's ε is the same (mup; completep at
+  its base depth) one Adam serves all, the program it compiled to before ε had roles."""
+  eps = {l: multipliers(cfg, l)["eps"] for l in LABELS}
 
-  def group(label):
+  def group(label, with_adam):
     m = multipliers(cfg, label)
     decay = optax.add_decayed_weights(weight_decay * m["wd"], mask=decay_mask)
-    return optax.chain(decay, optax.scale(m["lr"]))
+    first = [optax.scale_by_adam(**{**adam, "eps": adam["eps"] * m["eps"]})] if with_adam else []
+    return optax.chain(*first, decay, optax.scale(m["lr"]))
 
-  return optax.multi_transform({l: group(l) for l in LABELS}, lambda p: labels(p, cfg))
+  shared = len(set(eps.values())) == 1
+  roles = optax.multi_transform({l: group(l, not shared) for l in LABELS}, lambda p: labels(p, cfg))
+  if not shared:
+    return roles
+  return optax.chain(optax.scale_by_adam(**{**adam, "eps": adam["eps"] * eps[LABELS[0]]}), roles)

@@ -146,8 +146,12 @@ def test_labels_and_multipliers_of_a_small_tree():
     "top/norm": (1.0, 1.0),
     "top/scalar": (1.0, 1.0),
   }
-  assert mp.multipliers(cfg, "top/output") == {"lr": 1.0, "wd": 1.0, "init": 2**0.5}
-  assert (mp.branch_multiplier(cfg), mp.eps_multiplier(cfg)) == (0.25, 1 / 8)
+  assert mp.multipliers(cfg, "top/output") == {"lr": 1.0, "wd": 1.0, "init": 2**0.5, "eps": 0.5}
+  assert mp.branch_multiplier(cfg) == 0.25
+  eps = {l: mp.multipliers(cfg, l)["eps"] for l in mp.LABELS}  # Complete(d)P Eq. 40, per role
+  assert {eps[f"block/{r}"] for r in ("hidden", "readout", "norm", "scalar")} == {1 / 8}
+  assert {eps[l] for l in mp.LABELS if l.startswith("top/")} == {0.5}  # emb, unemb: eps / m_d
+  assert eps["block/res"] == eps["block/res_readout"] == 0.5  # on the stream, no branch
   untied = dataclasses.replace(cfg, tied_embeddings=False)  # logits h W / m_d
   assert (mp.logit_multiplier(untied), mp.logit_multiplier(cfg)) == (0.5, 2**-0.5)
   half = dataclasses.replace(cfg, depth_alpha=0.5)  # depth-muP
@@ -156,7 +160,8 @@ def test_labels_and_multipliers_of_a_small_tree():
   assert mp.multipliers(half, "block/res")["lr"] == 0.25  # 1/m_L whatever alpha
   width_only = dataclasses.replace(cfg, parametrization="mup")
   assert mp.multipliers(width_only, "block/hidden")["lr"] == 0.5
-  assert mp.branch_multiplier(width_only) == 1.0 and mp.eps_multiplier(width_only) == 0.5
+  assert mp.branch_multiplier(width_only) == 1.0
+  assert {mp.multipliers(width_only, l)["eps"] for l in mp.LABELS} == {0.5}  # as before: 1/m_d
 
 
 def test_init_logits_take_the_same_width_factor_tied_and_untied():
@@ -241,6 +246,25 @@ def test_the_optimizer_scales_each_labelled_update_by_its_multiplier():
   for (path, label), (_, upd) in zip(flat(SMALL_LABELS), flat(u)):
     want = -0.1 * mp.multipliers(cfg, label)["lr"] * np.sign(g[path])
     np.testing.assert_allclose(upd, want, rtol=1e-4, err_msg=label)
+
+
+def test_adam_eps_is_scaled_per_role():
+  """With gradients far below ε, Adam's first update is ~lr·g/ε: per label it reads back the ε
+  that label got, ε/m_d for the embedding and ε/(m_d m_L^α) for the hidden matrices."""
+  cfg = ModelConfig(mixer="hc", width=64, depth=8, base_width=32, parametrization="completep")
+  optim = tiny("optim.weight_decay=0", "optim.warmup_steps=0", "optim.clip=0", "optim.lr=0.1")
+  optim = dataclasses.replace(optim.optim, eps=1e-3)
+  tx = make_optimizer(optim, 10, model=cfg)[0]
+  g = jax.tree.map(lambda l: jnp.full(l.shape, 1e-9), SMALL)
+  u, _ = tx.update(g, tx.init(SMALL), SMALL)
+  flat = jax.tree_util.tree_leaves_with_path
+  for (_, label), (_, upd) in zip(flat(SMALL_LABELS), flat(u)):
+    m = mp.multipliers(cfg, label)
+    want = -0.1 * m["lr"] * 1e-9 / (1e-3 * m["eps"])
+    np.testing.assert_allclose(upd, want, rtol=1e-3, err_msg=label)
+  first = {lab: float(upd.ravel()[0]) for (_, lab), (_, upd) in zip(flat(SMALL_LABELS), flat(u))}
+  # same lr multiplier (1), eps / m_d against eps / (m_d m_L^alpha): m_L^alpha = 4 times smaller
+  assert first["top/embedding"] * 4 == pytest.approx(first["block/scalar"], rel=1e-3)
 
 
 def test_peri_ln_applies_the_branch_multiplier_after_its_output_norm():

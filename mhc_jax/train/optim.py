@@ -83,7 +83,7 @@ def make_optimizer(
   independent_wd=True:                          p -= lr(t) * (adam + (wd/lr) * p)
 
   `lr` overrides optim.lr and may be a traced array (a population of learning rates).
-  `model.parametrization` mup/completep: Adam with eps scaled, then per-role lr and weight-decay
+  `model.parametrization` mup/completep: per role, Adam with its eps, then its lr and weight-decay
   multipliers (mhc_jax.parametrization.scale_by_role); sp (or no model): the chain above.
   """
   peak = optim.lr if lr is None else lr
@@ -93,9 +93,9 @@ def make_optimizer(
   if optim.clip:
     parts.append(optax.clip_by_global_norm(optim.clip))
   if model is not None and model.parametrization != "sp":
+    adam = dict(b1=optim.b1, b2=optim.b2, eps=optim.eps)
     parts += [
-      optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps * mp.eps_multiplier(model)),
-      mp.scale_by_role(model, wd / peak if optim.independent_wd else wd, decay_mask),
+      mp.scale_by_role(model, adam, wd / peak if optim.independent_wd else wd, decay_mask),
       optax.scale_by_learning_rate(schedule),
     ]
   elif optim.independent_wd:

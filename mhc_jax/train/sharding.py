@@ -49,11 +49,12 @@ def fit_spec(spec: P, shape, mesh) -> P:
 
 
 def shardings(abstract_tree, mesh) -> object:
-  """NamedShardings for a (possibly boxed) abstract pytree from its logical axis names."""
+  """NamedShardings for a (possibly boxed) abstract pytree from its logical axis names. An
+  empty node under a box (optax's MaskedNode: per-role Adam state) stays as it is."""
   specs = nn.get_partition_spec(abstract_tree)
   mesh_specs = nn.logical_to_mesh(specs, RULES)
   return jax.tree.map(
-    lambda s, a: NamedSharding(mesh, fit_spec(s, a.shape, mesh)),
+    lambda s, a: NamedSharding(mesh, fit_spec(s, a.shape, mesh)) if hasattr(a, "shape") else a,
     mesh_specs,
     nn.meta.unbox(abstract_tree),
     is_leaf=lambda x: isinstance(x, P),
