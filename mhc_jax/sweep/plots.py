@@ -36,6 +36,7 @@ _ROLE_COLS = ("run", "mixer", "lr", "seed")
 _GREY = "#333333"
 
 _BAND = dict(alpha=0.22, lw=0)
+_GRID = dict(squeeze=False, layout="constrained")
 _LEG = dict(loc="outside right upper", fontsize=9, frameon=False)
 _SPIKE = dict(ls="none", marker="x", ms=8, mew=2, zorder=5)
 _NAN = dict(ls="none", marker="v", ms=9, mec="black", mew=0.6, clip_on=False, zorder=6)
@@ -45,52 +46,51 @@ _KIND_LABEL = {"avg": "token-averaged", "tok": "per-token (token mean)"}
 _DIRS = {"fwd": "forward (max |row sum|)", "bwd": "backward (max |column sum|)"}
 
 CAPTIONS = {
-  "loss_curves": "Training loss (nats per token) against step, {panel_text}. "
-  "Colour = mixer{shade_text}{style_text}.{seed_text} "
-  "× marks a detected loss spike (a spike/loss event: a step change of the loss more than 6 robust SDs "
-  "above the recent trend, mhc_jax/spikes.py); "
-  "▼ at the top edge marks the step where a run's loss first became NaN/inf, where its curve stops. "
+  "loss_curves": "Training loss (nats per token) against step, {panel_text}. Colour = "
+  "mixer{shade_text}{style_text}.{seed_text} × marks a detected loss spike (a spike/loss event: a "
+  "step change of the loss more than 6 robust SDs above the recent trend, mhc_jax/spikes.py); ▼ "
+  "at the top edge marks the step where a run's loss first became NaN/inf, where its curve stops. "
   "Read: lower and smoother is better; x's and curves that turn upward are instabilities.",
-  "grad_norms": "Global gradient norm (L2, before clipping) against step, log scale, {panel_text}. "
-  "Colour = mixer{shade_text}{style_text}.{seed_text} × marks a gradient-norm spike (spike/grad event), "
-  "▼ the first "
-  "non-finite gradient norm. Read: a flat or slowly falling band is healthy; jumps by a decade or more "
-  "usually accompany or precede loss spikes.",
-  "amax_vs_depth": 'Amax gain of the whole-depth product ∏ H_res (the mHC paper\'s "Amax Gain Magnitude"; '
-  "forward = max |row sum|, backward = max |column sum|) maximum over training (the summary table's "
-  "amax_*_composite_max and amax_*_composite_tok_mean_max columns, which the sentence quotes), against depth L (2L mixer layers; log2 axis when depths span 4x or more). Solid lines: the "
-  "product of the token-averaged H_res (what the paper plots); dashed, where the logs have it: the "
-  "per-token composite (each sampled token's own product, averaged over tokens), which token averaging "
-  "can hide. One line per "
-  "mixer; where several runs of a mixer differ only in the seed, the point is their geometric mean and "
-  "the shaded band the 95% Student t interval over seeds (on log values); where they differ in other "
-  "axes too (lr, width), the point is their median and the bar spans min to max. Log scale; the dotted "
-  "line is 1 (the residual path neither "
-  "amplifies nor attenuates). Read: a line that climbs with depth means per-layer gains compound "
-  "(unconstrained HC); a flat line at 1 is what the doubly stochastic constraint of mHC buys.",
-  "stream_spread": "Stream spread after each mixer layer at the last diagnostics step: "
-  "RMS(x - mean over streams) / RMS(x) of the stream state, {panel_text}. Colour = mixer{style_text}."
-  "{seed_text} 0 means one stream (residual) or streams that collapsed into copies of each other; "
-  "HC's spread typically peaks mid-depth and falls near the output. Log scale where every value is "
-  "positive and they span 30x or more. Read: a multi-stream mixer whose line lies on the floor uses "
-  "its n streams as one.",
+  "grad_norms": "Global gradient norm (L2, before clipping) against step, log scale, "
+  "{panel_text}. Colour = mixer{shade_text}{style_text}.{seed_text} × marks a gradient-norm spike "
+  "(spike/grad event), ▼ the first non-finite gradient norm. Read: a flat or slowly falling band "
+  "is healthy; jumps by a decade or more usually accompany or precede loss spikes.",
+  "amax_vs_depth": "Amax gain of the whole-depth product ∏ H_res (the mHC paper's \"Amax Gain "
+  'Magnitude"; forward = max |row sum|, backward = max |column sum|) maximum over training (the '
+  "summary table's amax_*_composite_max and amax_*_composite_tok_mean_max columns, which the "
+  "sentence quotes), against depth L (2L mixer layers; log2 axis when depths span 4x or more). "
+  "Solid lines: the product of the token-averaged H_res (what the paper plots); dashed, where the "
+  "logs have it: the per-token composite (each sampled token's own product, averaged over "
+  "tokens), which token averaging can hide. One line per mixer; where several runs of a mixer "
+  "differ only in the seed, the point is their geometric mean and the shaded band the 95% Student "
+  "t interval over seeds (on log values); where they differ in other axes too (lr, width), the "
+  "point is their median and the bar spans min to max. Log scale; the dotted line is 1 (the "
+  "residual path neither amplifies nor attenuates). Read: a line that climbs with depth means "
+  "per-layer gains compound (unconstrained HC); a flat line at 1 is what the doubly stochastic "
+  "constraint of mHC buys.",
+  "stream_spread": "Stream spread after each mixer layer at the last diagnostics step: RMS(x - "
+  "mean over streams) / RMS(x) of the stream state, {panel_text}. Colour = "
+  "mixer{style_text}.{seed_text} 0 means one stream (residual) or streams that collapsed into "
+  "copies of each other; HC's spread typically peaks mid-depth and falls near the output. Log "
+  "scale where every value is positive and they span 30x or more. Read: a multi-stream mixer "
+  "whose line lies on the floor uses its n streams as one.",
   "h_res": "Per mixer layer at the last diagnostics step: stream spread (left), the mean diagonal "
   "of the token-averaged H_res (middle: 1 = the identity, 1/n = uniform mixing) and its RMS shift "
   "from step 0 (right). One line per group of runs that differ only in the seed (the mean over "
-  "its seeds, n in the legend); colour = mixer, shades within a mixer. Read: a diagonal at 1 "
-  "with no shift is a mixing that never moved from its init; a doubly stochastic H_res that "
-  "moves off I shrinks the differences between streams, which the spread shows.",
-  "heatmap": "Per-layer gains over training, one figure per run. Left: gain_fwd = RMS(stream out) / "
-  "RMS(stream in) of each mixer layer (rows, bottom = first attention sublayer, attention and MLP "
-  "alternate); right: composite forward Amax gain of the product of H_res up to that layer (top row = "
-  "whole depth). Columns are the steps where per-layer diagnostics were logged. Log colour scale "
-  "centred on 1: white = 1, red amplifies, blue attenuates; grey = not logged or non-finite. Shown "
-  "for {n_heatmaps} runs: {heatmap_text} (at most {max_heatmaps}; write_report(max_heatmaps=...) "
-  "changes it).",
+  "its seeds, n in the legend); colour = mixer, shades within a mixer. Read: a diagonal at 1 with "
+  "no shift is a mixing that never moved from its init; a doubly stochastic H_res that moves off "
+  "I shrinks the differences between streams, which the spread shows.",
+  "heatmap": "Per-layer gains over training, one figure per run. Left: gain_fwd = RMS(stream out) "
+  "/ RMS(stream in) of each mixer layer (rows, bottom = first attention sublayer, attention and "
+  "MLP alternate); right: composite forward Amax gain of the product of H_res up to that layer "
+  "(top row = whole depth). Columns are the steps where per-layer diagnostics were logged. Log "
+  "colour scale centred on 1: white = 1, red amplifies, blue attenuates; grey = not logged or "
+  "non-finite. Shown for {n_heatmaps} runs: {heatmap_text} (at most {max_heatmaps}; "
+  "write_report(max_heatmaps=...) changes it).",
   "lr_sensitivity": "Final loss (mean of the last 5% of logged losses) against learning rate (log "
   "scale), {panel_text}; one line per group of runs that differ only in lr and seed (the legend "
-  "names it), the mean over seeds of min(final loss, initial loss) with its 95% Student t band. "
-  "X marks an lr where a seed diverged (non-finite, or at least 0.9 of its initial loss), counted "
+  "names it), the mean over seeds of min(final loss, initial loss) with its 95% Student t band. X "
+  "marks an lr where a seed diverged (non-finite, or at least 0.9 of its initial loss), counted "
   "at the initial loss as in Wortsman et al.'s LR sensitivity (lr_sensitivity.csv). Read: a wide "
   "flat valley means the mixer trains well over a broad range of lr.",
 }
@@ -224,6 +224,15 @@ def _use_log(values: np.ndarray, ratio: float = 30.0) -> bool:
   return bool(v.size) and v.max() / v.min() >= ratio
 
 
+def _grid(n: int, w: float, h: float):
+  """A figure of ``n`` panels ``w`` x ``h`` inches, at most 3 a row, sharing axes; unused hidden."""
+  nr, nc = -(-n // 3), min(n, 3)
+  fig, axes = plt.subplots(nr, nc, figsize=(w * nc, h * nr), sharex=True, sharey=True, **_GRID)
+  for ax in axes.ravel()[n:]:
+    ax.set_visible(False)
+  return fig, axes
+
+
 def _finish(fig, axes, handles, *, log, xlabel, ylabel, title=None) -> None:
   for ax in axes:
     ax.set_xlabel(xlabel)
@@ -274,18 +283,7 @@ def _panels(runs, draw, title="", lrs=(), all_runs=None, groups=_seed_groups):
   if panel:
     pvals = sorted(runs[panel].dropna().unique(), key=lambda v: (_num([v])[0], str(v)))
   colors = mixer_colors(_mixer_of(every))
-  nc, nr = min(len(pvals), 3), math.ceil(len(pvals) / 3)
-  fig, axes = plt.subplots(
-    nr,
-    nc,
-    figsize=(4.8 * nc, 3.6 * nr),
-    squeeze=False,
-    sharex=True,
-    sharey=True,
-    layout="constrained",
-  )
-  for ax in axes.ravel()[len(pvals) :]:
-    ax.set_visible(False)
+  fig, axes = _grid(len(pvals), 4.8, 3.6)
   axes = axes.ravel()[: len(pvals)]
   for ax, pv in zip(axes, pvals):
     for members in groups(runs if panel is None else runs[runs[panel] == pv]):
@@ -509,9 +507,8 @@ def h_res_vs_layer(
   if not len(runs):
     return None
   groups, colors = _seed_groups(runs), mixer_colors(_mixer_of(runs))
-  per_mixer = _mixer_of(runs).drop_duplicates().tolist()
   fig, axes = plt.subplots(1, 3, figsize=(14.0, 3.8), layout="constrained")
-  handles, seen = [], {m: 0 for m in per_mixer}
+  handles, seen = [], dict.fromkeys(_mixer_of(runs), 0)
   for members in groups:
     mixer = str(_mixer_of(members).iloc[0])
     k = seen[mixer] = seen[mixer] + 1
@@ -616,9 +613,6 @@ def layer_heatmap(
 
 
 # =========================================================================== stability maps
-_GRID = dict(squeeze=False, layout="constrained")
-
-
 def lr_curves(
   runs: pd.DataFrame,
   path,
@@ -639,10 +633,8 @@ def lr_curves(
   the transfer study's (muP's figure: the best lr of each size)."""
   from mhc_jax.sweep import lrmap
 
-  panel, line = (
-    [panel] if isinstance(panel, str) else panel,
-    [line] if isinstance(line, str) else line,
-  )
+  panel = [panel] if isinstance(panel, str) else panel
+  line = [line] if isinstance(line, str) else line
   d = runs.assign(_lr=_num(runs["lr"]).to_numpy(), _y=_num(runs[y]).to_numpy())
   d = d.assign(diverged=lrmap.diverged(d, y)) if "diverged" not in d else d
   if not len(d := d[np.isfinite(d["_lr"])]):
@@ -653,19 +645,13 @@ def lr_curves(
   by_mixer = line[:1] == ["mixer"]  # the report's: a colour per mixer, else shades of one
   colors = mixer_colors(d["mixer"]) if by_mixer else {}
   grid = sorted(d["_lr"].unique())
-  nr, nc = -(-len(panels) // 3), min(len(panels), 3)
-  fig, axes = plt.subplots(nr, nc, figsize=(4.4 * nc, 3.4 * nr), sharex=True, sharey=True, **_GRID)
-  for ax in axes.ravel()[len(panels) :]:
-    ax.set_visible(False)
+  fig, axes = _grid(len(panels), 4.4, 3.4)
   for ax, (key, sub) in zip(axes.ravel(), panels):
     for lkey, g in stats.split(sub, line):
       g, k = g.groupby("_lr"), lines.index(lkey)
       mid, lo, hi = (np.array([stats.mean_ci(v)[i] for _, v in g["_y"]]) for i in range(3))
       c = colors[str(lkey[0])] if by_mixer else _shade("#1f3b73", k, len(lines))
-      x, label = (
-        np.array(list(g.groups)),
-        ", ".join(f"{col} {_fmt(v)}" for col, v in zip(line, lkey)),
-      )
+      x, label = np.array(list(g.groups)), ", ".join(f"{n} {_fmt(v)}" for n, v in zip(line, lkey))
       ax.plot(x, mid, "o-", color=c, ms=3, label=label)
       ax.fill_between(x, lo, hi, color=c, **_BAND) if band else None
       ax.plot(x[[np.nanargmin(mid)]], mid[[np.nanargmin(mid)]], "k*", ms=8) if best else None
@@ -752,13 +738,8 @@ def edge_chart(lr_tab: pd.DataFrame, path, *, families: dict, dpi: int = 110) ->
   arms = [a for fam in families.values() for a in fam if a in set(lr_tab["arm"])]
   arms += [a for a in dict.fromkeys(lr_tab["arm"]) if a not in arms]
   depths, row = sorted(lr_tab["depth"].unique()), {a: i for i, a in enumerate(arms)}
-  fig, axes = plt.subplots(
-    1,
-    len(depths) + 1,
-    figsize=(3 * len(depths) + 3.5, 0.32 * len(arms) + 1.6),
-    **_GRID,
-    sharey=True,
-  )
+  size = (3 * len(depths) + 3.5, 0.32 * len(arms) + 1.6)
+  fig, axes = plt.subplots(1, len(depths) + 1, figsize=size, **_GRID, sharey=True)
   cols = ["best_lr", "largest_working_lr", "first_failing_lr"]
   low, top = np.nanmin(lr_tab[cols].to_numpy(float)), np.nanmax(lr_tab[cols].to_numpy(float))
   for ax, d in zip(axes[0], depths):
@@ -798,15 +779,8 @@ def edge_chart(lr_tab: pd.DataFrame, path, *, families: dict, dpi: int = 110) ->
     if n:
       for ax in axes[0]:
         ax.axhline(start - 0.5, color="#999999", lw=0.6)
-      first.text(
-        0.01,
-        start - 0.45,
-        name,
-        transform=first.get_yaxis_transform(),
-        fontsize=7,
-        va="top",
-        color="#555555",
-      )
+      tr = first.get_yaxis_transform()
+      first.text(0.01, start - 0.45, name, transform=tr, fontsize=7, va="top", color="#555555")
       start += n
   handles = [Line2D([], [], ls="", ms=7, **m) for m in _FAIL_MARKS.values()]
   handles += [Line2D([], [], ls="", marker=">", color="#2ca02c", label="above the grid")]
