@@ -21,6 +21,11 @@ def kernel_init(scale: float = 1.0):
   return nn.initializers.variance_scaling(scale**2, "fan_in", "normal")
 
 
+def _kernel(scale: float, axes: tuple):
+  """:func:`kernel_init` with the kernel's logical axes."""
+  return nn.with_logical_partitioning(kernel_init(scale), axes)
+
+
 class RMSNorm(nn.Module):
   """``x / rms(x) * scale``, computed in float32, returned in ``dtype``."""
 
@@ -29,12 +34,8 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    scale = self.param(
-      "scale",
-      nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-      (x.shape[-1],),
-      jnp.float32,
-    )
+    init = nn.with_logical_partitioning(nn.initializers.ones, ("embed",))
+    scale = self.param("scale", init, (x.shape[-1],), jnp.float32)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), -1, keepdims=True) + self.eps)
     return (y * scale).astype(self.dtype)
@@ -74,13 +75,10 @@ CPU_MATERIALIZED_MAX_T = 1024  # auto on a CPU: materialized up to here (docs/pe
 
 
 def auto_attention(dtype, head_dim: int, seq_len: int | None = None) -> str:
-  """What ``model.attention: auto`` resolves to on this process's default backend.
-
-  ``cudnn`` (cuDNN's fused flash attention) on an NVIDIA GPU when the compute dtype is bfloat16
-  or float16 and the head dim is one cuDNN takes on every GPU generation (a multiple of 8 up to
-  128); on a CPU ``materialized`` up to ``CPU_MATERIALIZED_MAX_T`` tokens (``seq_len`` None: short)
-  and ``xla`` beyond; ``xla`` everywhere else (TPUs, float32 GPU runs).
-  """
+  """What ``model.attention: auto`` resolves to on this process's default backend: ``cudnn`` on
+  an NVIDIA GPU in bfloat16/float16 with a head dim a multiple of 8 up to 128; on a CPU
+  ``materialized`` up to ``CPU_MATERIALIZED_MAX_T`` tokens (``seq_len`` None: short); else ``xla``
+  (docs/performance.md)."""
   dev = jax.devices()[0]
   nvidia = dev.platform in ("gpu", "cuda") and "nvidia" in dev.device_kind.lower()
   half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -106,20 +104,11 @@ def _dpa_xla(q, k, v, q0: int | jax.Array):
 
 
 def xla_attention(q_BTHD, k_BTHD, v_BTHD):
-  """Causal attention through ``jax.nn.dot_product_attention(implementation="xla")``.
-
-  ``[..., T, H, D]`` in and out. The heads are folded into the batch (``[B*H, T, 1, D]``), the
-  layout XLA's CPU dots ran 1.4x faster (fwd + bwd) than ``[B, T, H, D]``
-  (``benchmarks/layer_bench.py``). Up to ``2 * ATTN_CHUNK`` tokens it is one call; longer
-  sequences go in chunks of ``ATTN_CHUNK`` queries through ``jax.lax.map``, each chunk
-  rematerialised in the backward (``jax.checkpoint``) and scoring every key under the causal
-  mask, so the compiled program holds one chunk's ``[ATTN_CHUNK, T]`` scores at a time and its
-  memory grows linearly in T (unrolled chunks did not bound it: XLA kept every chunk's scores
-  for the backward).
-
-  Masked keys get probability exactly 0, so the outputs are those of the dense form; scores and
-  softmax are float32 (bfloat16 inputs: bf16 products with f32 accumulation).
-  """
+  """Causal attention through ``jax.nn.dot_product_attention(implementation="xla")``, ``[..., T,
+  H, D]`` in and out, the heads folded into the batch (``[B*H, T, 1, D]``: 1.4x faster on XLA's
+  CPU, ``benchmarks/layer_bench.py``). Beyond ``2 * ATTN_CHUNK`` tokens, chunks of
+  ``ATTN_CHUNK`` queries through ``jax.lax.map``, each rematerialised in the backward, so memory
+  grows linearly in T (docs/performance.md); the outputs are those of the dense form."""
   *lead, t, h, d = q_BTHD.shape
 
   def fold(a):  # [..., T, H, D] -> [N*H, T, 1, D]
@@ -166,15 +155,11 @@ def causal_logit_max(q_BTHD, k_BTHD) -> jax.Array:
 class Attention(nn.Module):
   """Causal multi-head self-attention. Returns ``(y_BTC, max pre-softmax logit or None)``.
 
-  ``implementation`` (``model.attention``): ``xla`` (``xla_attention``), ``cudnn`` (cuDNN's fused
-  flash attention through ``jax.nn.dot_product_attention``: NVIDIA GPUs, bfloat16/float16),
-  ``auto`` (``auto_attention``: cuDNN where it applies, short sequences on a CPU materialized,
-  else XLA), ``materialized``
-  (``causal_attention``: the ``[T, T]`` scores, the model's own form before the fused paths,
-  kept for comparison). ``logit_max``: also return the largest causal pre-softmax
-  logit (``causal_logit_max``, a separate score product: diagnostic steps only); False: None.
-  When ``intermediates`` is mutable (probes, evaluation) the full ``[B, H, T, T]``
-  probabilities are sown as ``attn``, computed apart from the value path.
+  ``implementation`` (``model.attention``): ``xla`` (:func:`xla_attention`), ``cudnn`` (cuDNN's
+  fused flash attention), ``materialized`` (:func:`causal_attention`, the ``[T, T]`` scores) or
+  ``auto`` (:func:`auto_attention`); docs/performance.md. ``logit_max``: also return
+  :func:`causal_logit_max` (diagnostic steps only). When ``intermediates`` is mutable (probes,
+  evaluation) the ``[B, H, T, T]`` probabilities are sown as ``attn``, apart from the value path.
   """
 
   heads: int
@@ -195,15 +180,11 @@ class Attention(nn.Module):
     x_NC = x_BTC.reshape(-1, c)  # tokens flattened: see MLP
 
     def proj(name):
-      return nn.DenseGeneral(
-        (self.heads, d),
-        use_bias=False,
-        dtype=self.dtype,
-        name=name,
-        kernel_init=nn.with_logical_partitioning(
-          kernel_init(self.init_scale), ("embed", "heads", "kv")
-        ),
-      )(x_NC).reshape(*lead, self.heads, d)
+      init = _kernel(self.init_scale, ("embed", "heads", "kv"))
+      dense = nn.DenseGeneral(
+        (self.heads, d), use_bias=False, dtype=self.dtype, name=name, kernel_init=init
+      )
+      return dense(x_NC).reshape(*lead, self.heads, d)
 
     q, k, v = proj("query"), proj("key"), proj("value")  # [B,T,H,D]
     if value_fn is not None:
@@ -236,15 +217,9 @@ class Attention(nn.Module):
       _, _, probs = causal_attention(q_, k_, v_, True, self.dtype)
       self.sow("intermediates", "attn", probs)
     y_NHD = y_BTHD.reshape((-1,) + y_BTHD.shape[-2:])
+    init = _kernel(self.init_scale * self.out_scale, ("heads", "kv", "embed"))
     out = nn.DenseGeneral(
-      c,
-      axis=(-2, -1),
-      use_bias=False,
-      dtype=self.dtype,
-      name="out",
-      kernel_init=nn.with_logical_partitioning(
-        kernel_init(self.init_scale * self.out_scale), ("heads", "kv", "embed")
-      ),
+      c, axis=(-2, -1), use_bias=False, dtype=self.dtype, name="out", kernel_init=init
     )(y_NHD)
     logit_max = causal_logit_max(q, k) if self.logit_max else None
     return out.reshape(x_BTC.shape), logit_max
@@ -264,20 +239,11 @@ class MLP(nn.Module):
     # Tokens flattened to one axis: XLA's CPU backward of a dense layer over [B, T, C] (weight
     # gradient contracting two axes) ran 2.4x slower than over [B*T, C] (benchmarks/layer_bench.py).
     x_NC = x_BTC.reshape(-1, c)
-    h = nn.Dense(
-      self.hidden,
-      use_bias=False,
-      dtype=self.dtype,
-      name="up",
-      kernel_init=nn.with_logical_partitioning(kernel_init(self.init_scale), ("embed", "mlp")),
-    )(x_NC)
-    h = nn.gelu(h)
-    return nn.Dense(
-      c,
-      use_bias=False,
-      dtype=self.dtype,
-      name="down",
-      kernel_init=nn.with_logical_partitioning(
-        kernel_init(self.init_scale * self.out_scale), ("mlp", "embed")
-      ),
-    )(h).reshape(x_BTC.shape)
+
+    def dense(features, name, scale, axes):
+      init = _kernel(scale, axes)
+      return nn.Dense(features, use_bias=False, dtype=self.dtype, name=name, kernel_init=init)
+
+    h = nn.gelu(dense(self.hidden, "up", self.init_scale, ("embed", "mlp"))(x_NC))
+    down = dense(c, "down", self.init_scale * self.out_scale, ("mlp", "embed"))
+    return down(h).reshape(x_BTC.shape)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from mhc_jax import mixers, parametrization as mp, sinkhorn as sk
-from mhc_jax.model.layers import MLP, Attention, RMSNorm, kernel_init
+from mhc_jax.model.layers import MLP, Attention, RMSNorm, _kernel
 
 REMAT_POLICIES = {
   "full": None,
@@ -153,12 +153,8 @@ class Transformer(nn.Module):
     ``nn.scan`` XLA would otherwise compute and stack them every step)."""
     cfg = self.cfg
     dt, L, c = _dtype(cfg.dtype), cfg.depth, cfg.width
-    embed = self.param(
-      "embedding",
-      nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed")),
-      (cfg.vocab, c),
-      jnp.float32,
-    )
+    init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"))
+    embed = self.param("embedding", init, (cfg.vocab, c), jnp.float32)
     x_BTC = jnp.take(embed, tokens_BT, axis=0).astype(dt)
     mixer = make_mixer(cfg).clone(parent=None)  # unbound: expand/collapse specs only
     state = mixer.expand(x_BTC)
@@ -191,16 +187,9 @@ class Transformer(nn.Module):
     if cfg.tied_embeddings:
       logits = (h_NC @ embed.astype(dt).T) / math.sqrt(c)
     else:
-      logits = nn.Dense(
-        cfg.vocab,
-        use_bias=False,
-        dtype=dt,
-        name="head",
-        kernel_init=nn.with_logical_partitioning(
-          kernel_init(cfg.init_scale * mp.multipliers(cfg, "top/output")["init"]),
-          ("embed", "vocab"),
-        ),
-      )(h_NC)
+      init = _kernel(cfg.init_scale * mp.multipliers(cfg, "top/output")["init"], ("embed", "vocab"))
+      head = nn.Dense(cfg.vocab, use_bias=False, dtype=dt, name="head", kernel_init=init)
+      logits = head(h_NC)
     if (out_mult := mp.logit_multiplier(cfg)) != 1:  # mup, completep
       logits = logits * out_mult
     logits = logits.reshape(h_BTC.shape[:-1] + (cfg.vocab,)).astype(jnp.float32)
