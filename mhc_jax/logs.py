@@ -222,14 +222,9 @@ def _to_long(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
-  """Metrics of one run as a DataFrame.
-
-  ``long=False``: one row per logged step (sorted), scalar metrics as columns, per-layer
-  metrics as list-valued (object) columns, nested dicts as dotted columns.
-  ``long=True``: only the per-layer metrics, one row per (step, metric, layer) with a
-  float ``value`` column. Either way ``df.attrs`` holds ``config`` (flattened
-  ``config.yaml``, ``{}`` if missing), ``summary`` (``summary.json``) and ``run_dir``.
-  """
+  """Metrics of one run: a row per logged step (scalars as columns, per-layer metrics as lists,
+  nested dicts dotted), or with ``long`` a row per (step, metric, layer) of the per-layer ones;
+  ``attrs``: ``config`` (flattened config.yaml), ``summary`` (summary.json) and ``run_dir``."""
   import pandas as pd
 
   run_dir = storage.path(run_dir)
@@ -239,11 +234,8 @@ def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
   df = df[["step"] + [c for c in df.columns if c != "step"]]
   if long:
     df = _to_long(df)
-  df.attrs = {
-    "config": read_config(run_dir),
-    "summary": read_json(run_dir / "summary.json"),
-    "run_dir": str(run_dir),
-  }
+  df.attrs = dict(config=read_config(run_dir), summary=read_json(run_dir / "summary.json"))
+  df.attrs["run_dir"] = str(run_dir)
   return df
 
 
@@ -298,14 +290,9 @@ def _put_axes(
 
 
 def load_sweep(sweep_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
-  """All runs of a sweep in one frame: :func:`load_run` of each run in the manifest, with a
-  ``run`` column and one column per override key (the sweep axes) in front.
-
-  Runs whose ``metrics.jsonl`` is missing or empty are skipped. An override key that is
-  also a metric name (say ``lr``) gets the column ``override.<key>``; ``df.attrs["axes"]``
-  maps override keys to their columns and ``df.attrs["runs"]`` holds each loaded run's
-  ``config``/``summary``/``status``.
-  """
+  """:func:`load_run` of each run in the manifest with metrics, in one frame, ``run`` and a column
+  per override key in front (``override.<key>`` where the key is also a metric's name, say
+  ``lr``); ``attrs``: ``axes`` (override key -> column), ``runs`` (each run's attrs, status)."""
   import pandas as pd
 
   sweep_dir = storage.path(sweep_dir)
