@@ -29,10 +29,7 @@ class WindowMLP(nn.Module):
       raise ValueError(f"window and depth must be >= 1, got {self.window}, {self.depth}")
     x = nn.Embed(self.vocab, self.embed_dim, name="embed")(tokens)
     h = nn.Conv(
-      self.width,
-      kernel_size=(self.window,),
-      padding=[(self.window - 1, 0)],
-      name="window",
+      self.width, kernel_size=(self.window,), padding=[(self.window - 1, 0)], name="window"
     )(x)
     h = nn.gelu(h)
     for i in range(self.depth - 1):
@@ -54,12 +51,7 @@ def window_mlp_param_count(
 
 
 def match_width(
-  target_params: int,
-  vocab: int,
-  window: int,
-  depth: int,
-  embed_dim: int = 64,
-  rtol: float = 0.05,
+  target_params: int, vocab: int, window: int, depth: int, embed_dim: int = 64, rtol: float = 0.05
 ) -> int:
   """The width whose `WindowMLP` parameter count is closest to `target_params`.
 

@@ -184,13 +184,7 @@ METRICS: tuple[Metric, ...] = (
   ),
   _m("layer_grad_norm", "block", "diag", "gradient L2 norm of each block's parameters"),
   _m("update_ratio", "block", "diag", "RMS(update) / RMS(params before it) per block", log=True),
-  _m(
-    "out_logit_max",
-    "scalar",
-    "diag",
-    "largest output logit",
-    summary={"out_logit_max": "max"},
-  ),
+  _m("out_logit_max", "scalar", "diag", "largest output logit", summary={"out_logit_max": "max"}),
   _m(
     "logsumexp_mean",
     "scalar",
