@@ -152,11 +152,8 @@ class ByteWindows:
   def batch(self, step: int, batch_size: int, split: str = "train") -> dict[str, np.ndarray]:
     starts = self.window_starts(step, batch_size, split)
     w = self._data[split][starts[:, None] + np.arange(self.seq_len + 1)].astype(np.int32)
-    return {
-      "inputs": w[:, :-1],
-      "targets": w[:, 1:],
-      "mask": np.ones((batch_size, self.seq_len), np.float32),
-    }
+    mask = np.ones((batch_size, self.seq_len), np.float32)
+    return {"inputs": w[:, :-1], "targets": w[:, 1:], "mask": mask}
 
 
 class TextSource(ByteWindows):
@@ -172,17 +169,11 @@ class TextSource(ByteWindows):
     val_fraction: float = 0.05,
     max_bytes: int | None = None,
   ):
-    if max_bytes is not None and (
-      isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
-    ):
+    bad = isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
+    if max_bytes is not None and bad:
       raise ValueError(f"option 'max_bytes' must be a positive integer, got {max_bytes!r}")
     self.files = resolve_files(path, pattern)
     self.path = path if path is not None else stdlib_dir()
     corpus = read_corpus(self.files, max_bytes)
-    super().__init__(
-      corpus,
-      seq_len=seq_len,
-      seed=seed,
-      val_fraction=val_fraction,
-      name=f"text data at {self.path!r}",
-    )
+    name = f"text data at {self.path!r}"
+    super().__init__(corpus, seq_len=seq_len, seed=seed, val_fraction=val_fraction, name=name)
