@@ -53,10 +53,7 @@ def yaml_load(text: str) -> Any:
   return yaml.load(text, Loader=_Loader)
 
 
-# ------------------------------------------------------------------------------------------
-# pydantic's ValidationError as one ConfigError line naming the dotted key.
-
-
+# ------------------------- pydantic's ValidationError as one ConfigError line naming the dotted key
 def _show(value: Any) -> str:
   return "null" if value is None else f"{type(value).__name__} {value!r}"
 
@@ -144,10 +141,7 @@ def _section(name: str):
   return wrap
 
 
-# ------------------------------------------------------------------------------------------
-# The sections.
-
-
+# ------------------------------------------------------------------------------------- The sections
 def _check_mixer_options(mixer: str, opts: dict) -> dict:
   """`opts` checked against `mixer`'s typed options; the keys set, their values typed."""
   prefix, model = "model.mixer_options", _options(mixer)
@@ -380,14 +374,8 @@ class DistConfig:
     return self
 
 
-SECTIONS = {
-  "model": ModelConfig,
-  "data": DataConfig,
-  "optim": OptimConfig,
-  "train": TrainConfig,
-  "mesh": MeshConfig,
-  "dist": DistConfig,
-}
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "train": TrainConfig}
+SECTIONS |= {"mesh": MeshConfig, "dist": DistConfig}
 _TOP_KEYS = ("name", *SECTIONS)
 
 
@@ -422,9 +410,7 @@ class Config:
     return self
 
 
-# ------------------------------------------------------------------------------------------
-# dict <-> Config, overrides, files.
-
+# ---------------------------------------------------------------- dict <-> Config, overrides, files
 # Keys since removed from the config, with the one value they had: accepted at that value (old
 # run directories load) and hashed as before, so old runs and sweeps keep their hashes.
 _RETIRED = {"train": {"inject_nonfinite_at": -1, "population_mode": "vmap"}}
@@ -579,10 +565,7 @@ def config_hash(cfg: Config, length: int = 10) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:length]
 
 
-# ------------------------------------------------------------------------------------------
-# Checks and fill-ins that need the outside world.
-
-
+# -------------------------------------------------- Checks and fill-ins that need the outside world
 def validate_mesh(
   mesh: MeshConfig, n_devices: int, batch_size: int | None = None
 ) -> tuple[int, int, int]:
