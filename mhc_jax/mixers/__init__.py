@@ -119,14 +119,5 @@ def get(name: str, *, module_name: str | None = None, layers: int = 0, **opts) -
   return cls(**opts, layers=layers, name=module_name)
 
 
-__all__ = [
-  "STAT_KEYS",
-  "Collapse",
-  "Mixer",
-  "get",
-  "load",
-  "names",
-  "options",
-  "register",
-  "resolve",
-]
+__all__ = ["STAT_KEYS", "Collapse", "Mixer", "get", "load", "names", "options", "register"]
+__all__ += ["resolve"]

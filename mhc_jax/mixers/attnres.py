@@ -92,11 +92,8 @@ class AttnRes(Mixer):
       v = f_BTC.astype(hist.dtype)
     else:  # the first layer of a block starts its sum, the others add to it
       part = jax.lax.dynamic_index_in_dim(hist, entry, 0, keepdims=False)
-      v = jnp.where(
-        layer % s == 0,
-        f_BTC.astype(jnp.float32),
-        part.astype(jnp.float32) + f_BTC.astype(jnp.float32),
-      ).astype(hist.dtype)
+      f32 = f_BTC.astype(jnp.float32)
+      v = jnp.where(layer % s == 0, f32, part.astype(jnp.float32) + f32).astype(hist.dtype)
     hist = jax.lax.dynamic_update_index_in_dim(hist, v, entry, 0)
     h, _ = jax.checkpoint(depth_attention)(hist, query, jnp.arange(size) <= entry)
     h = h.astype(x.dtype)

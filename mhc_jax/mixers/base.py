@@ -1,21 +1,8 @@
 """The residual-mixer contract, shared helpers and the stream collapse.
 
-A mixer owns the residual stream between sublayers. Its state is ``n`` parallel streams,
-``x_BTnC`` (batch, time, streams, channels); a plain residual is ``n = 1``.
-
-- ``expand(x_BTC) -> x_BTnC``: copy the embedding into the ``n`` streams (no parameters);
-- ``__call__(x_BTnC, sublayer, layer) -> (x_BTnC, stats)``: one mixer layer
-  ``x' = H_res x + H_postᵀ F(H_pre x)`` where ``F = sublayer`` (norm + attention or MLP);
-- ``Collapse(n, kind)``: the streams back to one before the final norm (sum, or learned).
-
-The full contract (any pytree state, collapse, probes) is the ``Mixer`` docstring.
-
-``stats`` is a dict of fixed-shape float32 arrays (docs/interfaces.md): ``h_res [n,n]``,
-``h_pre [n]``, ``h_post [n]`` token-averaged, ``h_res_tok [S,n,n]`` the per-token ``H_res`` of a
-fixed sample of ``S = min(TOKEN_SAMPLE, tokens)`` tokens, ``rms_in``, ``rms_out``,
-``branch_rms`` and ``sinkhorn_err`` scalars, and ``stream_spread`` (:func:`stream_spread` of the
-state leaving the layer, on the same token sample). ``layer`` is the mixer-layer index (2·block for attention, 2·block+1
-for the MLP); it may be traced (under ``nn.scan``) and is only used by initialisers.
+A mixer owns the residual stream between sublayers; its default state is ``n`` parallel streams
+``x_BTnC`` and one layer is ``x' = H_res x + H_postᵀ F(H_pre x)``, ``F = sublayer``. The contract
+and the ``stats`` it returns: docs/interfaces.md ("The mixer contract", "Mixer stats").
 """
 
 from __future__ import annotations
@@ -31,17 +18,8 @@ import numpy as np
 from mhc_jax.mixers import cpu_mix
 
 Sublayer = Callable[[jax.Array], jax.Array]
-STAT_KEYS = (
-  "h_res",
-  "h_res_tok",
-  "h_pre",
-  "h_post",
-  "rms_in",
-  "rms_out",
-  "branch_rms",
-  "sinkhorn_err",
-  "stream_spread",
-)
+STAT_KEYS = ("h_res", "h_res_tok", "h_pre", "h_post", "rms_in", "rms_out", "branch_rms")
+STAT_KEYS += ("sinkhorn_err", "stream_spread")
 TOKEN_SAMPLE = 16  # tokens whose own H_res products are tracked (h_res_tok)
 
 
@@ -100,7 +78,7 @@ def sample_state(x_BTnC: jax.Array) -> jax.Array:
 
 def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> dict:
   """The per-call stats dict; coefficients may carry leading token axes (averaged here)."""
-  n = x_in.shape[-2]
+  n, err = x_in.shape[-2], jnp.zeros(()) if sinkhorn_err is None else sinkhorn_err
   lead_res, lead_vec = h_res.ndim - 2, h_pre.ndim - 1
   return {
     "h_res": token_mean(jnp.broadcast_to(h_res, h_res.shape[:lead_res] + (n, n)), lead_res),
@@ -110,9 +88,7 @@ def make_stats(x_in, x_out, f_out, h_res, h_pre, h_post, sinkhorn_err=None) -> d
     "rms_in": rms(x_in),
     "rms_out": rms(x_out),
     "branch_rms": rms(f_out),
-    "sinkhorn_err": jnp.zeros((), jnp.float32)
-    if sinkhorn_err is None
-    else jnp.asarray(sinkhorn_err, jnp.float32),
+    "sinkhorn_err": jnp.asarray(err, jnp.float32),
     "stream_spread": stream_spread(sample_state(x_out)),
   }
 
@@ -149,30 +125,10 @@ def read(x_BTnC, h_pre):
 
 
 class Mixer(nn.Module):
-  """The contract (docs/interfaces.md). Defaults describe ``n`` identical-width streams.
-
-  A mixer owns its carried state (any pytree), how it begins (``expand``) and ends
-  (``collapse_module``), and the stats it reports. The model knows only this interface:
-
-  - ``expand(x_BTC) -> state`` (no parameters); the state's shape is the probe's shape, so the
-    gradient of a zero probe added to it is dLoss/d(state);
-  - ``__call__(state, sublayer, layer) -> (state, stats)``: ``sublayer(h_BTC, value_fn=None)``
-    is the attention or MLP branch (with the model's input norm when ``pre_norm``); attention
-    applies ``value_fn`` to its values ``[B, T, H, D]`` (value-residual mixers), the MLP ignores
-    it. ``layer`` is the mixer-layer index (may be traced under ``nn.scan``);
-  - ``collapse_module() -> (module class, fields)``: the module mapping the final state to
-    ``x_BTC`` (the model builds it in its own scope, named ``collapse``);
-  - ``stream(state) -> [B, T, k, C']``: the state's streams, for probes and separation checks.
-
-  ``layers`` (the model's 2L mixer layers) is filled in by the model, for state whose size
-  depends on depth (preallocated, so compile time stays flat in depth). Class attributes:
-  ``doubly_stochastic`` (an ``H_res`` claim ``mhc_jax.testing`` checks), ``pre_norm`` (the
-  model norms the sublayer input; post-norm mixers set False and norm themselves),
-  ``multi_stream`` (with ``n > 1`` the streams must separate under training: checked),
-  ``param_roles`` (every parameter's role under mup/completep: checked); the property
-  ``averages_branches`` (True: the stream is a bounded average of branch outputs, not their sum,
-  so completep's branch multiplier ``m_L^-α`` does not apply).
-  """
+  """The contract (docs/interfaces.md, "The mixer contract": ``expand``, ``__call__``,
+  ``collapse_module``, ``stream``, ``layers``, the class attributes). A mixer owns its carried
+  state (any pytree), how it begins and ends, and the stats it reports; the defaults describe
+  ``n`` identical-width streams."""
 
   n: int = 1
   layers: int = 0

@@ -112,9 +112,8 @@ class DenseFormer(Mixer):
       raise ValueError(f"denseformer: layer {layer} outside 0..{self.layers - 1}")
     hist, x = state["hist"], state["x"]
     step = (layer + 1) // m  # the DWA step this layer ends (when it ends one)
-    alpha = param(
-      self, "b_dwa", lambda k, s, d: jax.nn.one_hot(step, size, dtype=d), (size,), (None,)
-    )
+    dwa_init = lambda k, s, d: jax.nn.one_hot(step, size, dtype=d)
+    alpha = param(self, "b_dwa", dwa_init, (size,), (None,))
     f_BTC = sublayer(x)
     y = x + f_BTC.astype(x.dtype)
 

@@ -78,13 +78,8 @@ class Laurel(Mixer):
       if not 1 <= self.rank <= c:
         raise ValueError(f"laurel: rank must be in [1, width={c}], got {self.rank}")
       w_down = param(self, "w_down", nn.initializers.zeros, (c, self.rank), ("embed", None))
-      w_up = param(
-        self,
-        "w_up",
-        lambda k, s, d: jnp.asarray(column_orthogonal(c, self.rank).T, d),
-        (self.rank, c),
-        (None, "embed"),
-      )
+      up_init = lambda k, s, d: jnp.asarray(column_orthogonal(c, self.rank).T, d)
+      w_up = param(self, "w_up", up_init, (self.rank, c), (None, "embed"))
       g = g + g @ w_down @ w_up
     if rw:
       init = nn.initializers.ones if self.rw_norm == "none" else nn.initializers.zeros

@@ -78,11 +78,8 @@ class ManifoldHyperConnection(Mixer):
 
   def project_res(self, z_res):
     """``[..., res_size]`` logits -> (doubly stochastic ``[..., n, n]``, column error)."""
-    h = sk.sinkhorn(
-      z_res.reshape(z_res.shape[:-1] + (self.n, self.n)),
-      iters=self.sinkhorn_iters,
-      grad=self.sinkhorn_grad,
-    )
+    z = z_res.reshape(z_res.shape[:-1] + (self.n, self.n))
+    h = sk.sinkhorn(z, iters=self.sinkhorn_iters, grad=self.sinkhorn_grad)
     return h, sk.stochastic_error(h)[1]
 
   @nn.compact
@@ -94,9 +91,8 @@ class ManifoldHyperConnection(Mixer):
     pre_init, post_init = stream_bias_inits(self.stream_init, layer, n)
     b_pre = param(self, "b_pre", pre_init, (n,), ("streams",))
     b_post = param(self, "b_post", post_init, (n,), ("streams",))
-    b_res = param(
-      self, "b_res", lambda k, s, d: self.res_bias().reshape(s).astype(d), (r,), (None,)
-    )
+    res_init = lambda k, s, d: self.res_bias().reshape(s).astype(d)
+    b_res = param(self, "b_res", res_init, (r,), (None,))
     z_pre, z_post, z_res = b_pre, b_post, b_res
     if self.dynamic:
       x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC]

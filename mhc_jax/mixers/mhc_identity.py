@@ -48,13 +48,8 @@ class MHCIdentity(Mixer):
     z_pre, z_post = b_pre, b_post
     if self.dynamic:
       x_BTK = x_BTnC.reshape(x_BTnC.shape[:-2] + (n * c,))  # [B,T,nC]
-      phi = param(
-        self,
-        "phi",
-        nn.initializers.normal(self.phi_init / math.sqrt(n * c)),
-        (n * c, 2 * n),
-        ("streams_embed", None),
-      )
+      phi_init = nn.initializers.normal(self.phi_init / math.sqrt(n * c))
+      phi = param(self, "phi", phi_init, (n * c, 2 * n), ("streams_embed", None))
       const = nn.initializers.constant(self.alpha_init)
       a_pre = param(self, "alpha_pre", const, (), ())
       a_post = param(self, "alpha_post", const, (), ())

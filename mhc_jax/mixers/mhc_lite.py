@@ -37,11 +37,8 @@ class MHCLite(ManifoldHyperConnection):
     if self.h_res_init == "uniform" or k == 1:
       return jnp.zeros((k,), jnp.float32)
     if self.h_res_init == "identity":
-      return (
-        jnp.zeros((k,), jnp.float32)
-        .at[0]
-        .set(math.log(self.res_diag / (1 - self.res_diag) * (k - 1)))
-      )
+      gap = math.log(self.res_diag / (1 - self.res_diag) * (k - 1))
+      return jnp.zeros((k,), jnp.float32).at[0].set(gap)
     raise ValueError(
       f"mhc_lite: h_res_init must be 'identity' or 'uniform', got {self.h_res_init!r}"
     )

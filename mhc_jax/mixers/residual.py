@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 
 from mhc_jax.mixers.base import Mixer, make_stats
+from mhc_jax.mixers.peri_ln import single_stream
 
 
 class Residual(Mixer):
@@ -16,9 +17,7 @@ class Residual(Mixer):
     return 0
 
   def __call__(self, x_BTnC, sublayer, layer=0):
-    if x_BTnC.shape[-2] != 1:
-      raise ValueError(f"residual: expects 1 stream, got state with n={x_BTnC.shape[-2]}")
-    f_BTC = sublayer(x_BTnC[..., 0, :])
+    f_BTC = sublayer(single_stream("residual", x_BTnC))
     out = x_BTnC + f_BTC[..., None, :].astype(x_BTnC.dtype)
     one = jnp.ones((1,), jnp.float32)
     return out, make_stats(x_BTnC, out, f_BTC, jnp.eye(1), one, one)

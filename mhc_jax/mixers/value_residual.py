@@ -72,9 +72,8 @@ class ValueResidual(Mixer):
           f"the stored V_1 is {v1.shape} (needs heads * head_dim = width)"
         )
       written[0] = jnp.where(first, flat.astype(v1.dtype), v1)
-      mixed = lam1 * v1.astype(jnp.float32).reshape(v_BTHD.shape) + lam2 * v_BTHD.astype(
-        jnp.float32
-      )
+      v1_BTHD = v1.astype(jnp.float32).reshape(v_BTHD.shape)
+      mixed = lam1 * v1_BTHD + lam2 * v_BTHD.astype(jnp.float32)
       return jnp.where(first, v_BTHD, mixed.astype(v_BTHD.dtype))
 
     f_BTC = sublayer(x, value_fn=value_fn)
