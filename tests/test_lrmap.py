@@ -235,6 +235,40 @@ def test_working_edge_counts_runs_that_learned_nothing():
   assert list(tab["n_no_training"]) == [2, 1, 6] and list(tab["n_diverged"]) == [0, 1, 0]
 
 
+def test_flags_say_where_a_verdict_rests_on_little():
+  """Margin line 3.1 (baseline 3.2): an edge set by one seed stuck 0.02 nats above the line
+  (one seed, near the margin: a 0.05 margin lets lr 1 work); two seeds stuck 0.2-0.3 above
+  (neither); nothing failing (censored, the best lr at the grid's top); a working seed 0.03 below
+  the line (a 0.15 margin fails it); a stuck seed near the line beside a diverged one (the
+  divergence holds the edge: not near)."""
+  cells = {
+    ("one", 1e-2): [2.5, 2.6, 2.55],
+    ("one", 1e-1): [2.7, 2.8, 2.75],
+    ("one", 1.0): [3.12, 2.9, 2.95],
+    ("two", 1e-3): [2.9, 2.9, 2.9],
+    ("two", 1e-2): [2.5, 2.6, 2.55],
+    ("two", 1e-1): [3.3, 3.4, 2.7],
+    ("top", 1e-2): [2.5, 2.6, 2.55],
+    ("top", 1e-1): [2.4, 2.45, 2.5],
+    ("low", 1e-2): [2.5, 2.6, 2.55],
+    ("low", 1e-1): [3.07, 2.8, 2.8],
+    ("low", 1.0): [nan, nan, nan],
+    ("div", 1e-2): [2.5, 2.6, 2.55],
+    ("div", 1e-1): [3.12, nan, 2.8],
+  }
+  tab = lrmap.lr_table(_frame(cells).assign(baseline=3.2, loss_init=5.5)).set_index("arm")
+  flags = ["edge_censored", "edge_one_seed", "edge_near_margin", "best_censored"]
+  assert list(tab.columns[-4:]) == flags and tab[flags].dtypes.eq(bool).all()
+  assert tab.loc["one", flags].tolist() == [False, True, True, True]
+  assert tab.loc["two", flags].tolist() == [False, False, False, False]
+  assert tab.loc["top", flags].tolist() == [True, False, False, True]
+  assert tab.loc["low", flags].tolist() == [False, False, True, True]
+  assert tab.loc["div", flags].tolist() == [False, False, False, True]
+  assert tab.loc[["one", "low"], "largest_working_lr"].tolist() == [1e-1, 1e-1]
+  no_best = lrmap.lr_table(PLANTED).set_index("arm").loc["b", flags]  # never finite: no verdict
+  assert not no_best.any()
+
+
 def test_phase_table_separates_the_failure_kinds():
   runs = _floor([2.5, 3.15, nan, 2.6]).assign(arm="x", depth=[4, 4, 4, 8], width=32, seed=0)
   runs = runs.assign(seed=[0, 1, 2, 0], spike_count=0, **{lrmap.GAIN: 1.0})

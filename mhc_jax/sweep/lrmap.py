@@ -23,6 +23,8 @@ DIVERGED_FRACTION = 0.9
 #: nats below the task's trivial predictor (``baseline``: for text, the byte-frequency loss on the
 #: same held-out batches, ``ByteWindows.baseline``). Why 0.1: docs/sweeps.md, "Stability maps".
 NO_TRAINING_MARGIN = 0.1
+#: A verdict near the margin: its largest working lr moves when the margin moves this many nats.
+NEAR_MARGIN = 0.05
 #: The best-lr selection rule, in words (written into the report).
 RULE = "the lr with the lowest seed-mean loss among the lrs where every seed's is finite"
 BY = ["arm", "depth", "width"]
@@ -36,13 +38,13 @@ def diverged(runs: pd.DataFrame, endpoint: str = ENDPOINT) -> pd.Series:
     return pd.Series(~np.isfinite(y) | (y >= DIVERGED_FRACTION * init), index=runs.index)
 
 
-def failure(runs: pd.DataFrame, endpoint: str = ENDPOINT) -> pd.Series:
+def failure(runs: pd.DataFrame, endpoint: str = ENDPOINT, margin=NO_TRAINING_MARGIN) -> pd.Series:
   """Per run: ``diverged`` (:func:`diverged`), else ``no_training`` (endpoint above ``baseline``
-  minus :data:`NO_TRAINING_MARGIN`; never where the baseline is missing), else ``none``."""
+  minus ``margin``; never where the baseline is missing), else ``none``."""
   y = _floats(runs[endpoint])
   base = _floats(runs["baseline"]) if "baseline" in runs else np.full(len(runs), np.nan)
   with np.errstate(invalid="ignore"):
-    stuck = y > base - NO_TRAINING_MARGIN
+    stuck = y > base - margin
   kind = np.where(diverged(runs, endpoint), "diverged", np.where(stuck, "no_training", "none"))
   return pd.Series(kind, index=runs.index)
 
@@ -92,11 +94,28 @@ def _kind(kinds: set) -> str:
   return "both" if {"diverged", "no_training"} <= kinds else (kinds - {"none"} or {""}).pop()
 
 
+def _flags(g: pd.DataFrame, endpoint: str, best: float, working: float, first: float) -> dict:
+  """Where one group's verdict rests on little (docs/sweeps.md, "Stability maps"): no failure
+  above the best lr (the edge is a lower bound), one failing seed at the first failing lr, an
+  edge that moves with the margin +- :data:`NEAR_MARGIN`, a best lr at an end of the grid."""
+  moved = []
+  for m in (NO_TRAINING_MARGIN - NEAR_MARGIN, NO_TRAINING_MARGIN + NEAR_MARGIN):
+    f = (failure(g, endpoint, m) != "none").groupby(g["_lr"]).any()
+    moved.append(_stable(f.index.to_numpy(), f.to_numpy(), best)[0])
+  grid = np.sort(g["_lr"].unique())
+  return {"edge_censored": math.isfinite(best) and math.isnan(first)} | {
+    "edge_one_seed": int((g.loc[g["_lr"] == first, "_f"] != "none").sum()) == 1,
+    "edge_near_margin": not np.array_equal(moved, [working, working], equal_nan=True),
+    "best_censored": bool(grid.size and best in (grid[0], grid[-1])),
+  }
+
+
 def lr_table(runs: pd.DataFrame, by: list[str] = BY, endpoint: str = ENDPOINT) -> pd.DataFrame:
   """lr_sensitivity.csv per group of equal ``by``: the best lr, the endpoint there, Wortsman's LR
   sensitivity per seed (mean and t interval over seeds), the largest working lr and the first
   failing one with its kind (:func:`failure`; ``both``: diverged and no_training seeds), the
-  largest stable lr by divergence alone (the rule before issue 48), each by :func:`_stable`."""
+  largest stable lr by divergence alone (the rule before issue 48), each by :func:`_stable`; then
+  the flags of :func:`_flags`."""
   by = [c for c in by if c in runs.columns]
   rows = []
   for key, g in stats.split(runs, by):
@@ -118,6 +137,7 @@ def lr_table(runs: pd.DataFrame, by: list[str] = BY, endpoint: str = ENDPOINT) -
       | {"first_failure": "" if math.isnan(first_fail) else _kind(failed[first_fail])}
       | {f"n_{k}": int((g["_f"] == k).sum()) for k in ("diverged", "no_training")}
       | {"largest_stable_lr": stable, "first_unstable_lr": first}
+      | _flags(g, endpoint, best, working, first_fail)
     )
   return pd.DataFrame(rows)
 
