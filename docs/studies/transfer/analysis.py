@@ -37,9 +37,11 @@ def _seed_best(g: pd.DataFrame) -> dict:
 
 
 def best_table(runs: pd.DataFrame) -> pd.DataFrame:
-  """best_lr.csv: ``lrmap.lr_table`` per :data:`BY` with each seed's best lr beside it."""
+  """best_lr.csv: ``lrmap.lr_table`` per :data:`BY` with each seed's best lr beside it (before
+  the table's flags, where the column stood before they were added)."""
   tab = lrmap.lr_table(runs, BY)
   seeds = [_seed_best(g) for _, g in stats.split(runs, BY)]
+  tab.insert(tab.columns.get_loc("first_unstable_lr") + 1, "seed_best_lrs", "")
   return tab.assign(seed_best_lrs=[",".join(f"{v:g}" for v in d.values()) for d in seeds])
 
 
