@@ -165,13 +165,9 @@ _project_implicit.defvjp(_implicit_fwd, _implicit_bwd)
 
 
 def sinkhorn(logits: jax.Array, iters: int = 20, grad: str = "unroll") -> jax.Array:
-  """Doubly stochastic projection of exp(logits) over the last two axes (float32 or wider).
-
-  Args:
-    logits: [..., n, n] real array, any dtype.
-    iters: static number of column-then-row iterations (>= 1).
-    grad: "unroll" (autodiff through the loop) or "implicit" (fixed-point custom VJP).
-  """
+  """Doubly stochastic projection of exp(``logits [..., n, n]``, any dtype) over the last two
+  axes (float32 or wider): ``iters`` (static, >= 1) column-then-row iterations, ``grad``
+  "unroll" (through the loop) or "implicit" (fixed-point custom VJP)."""
   if grad not in GRAD_MODES:
     raise ValueError(f"grad must be one of {GRAD_MODES}, got {grad!r}")
   if isinstance(iters, bool) or not isinstance(iters, numbers.Integral) or iters < 1:
