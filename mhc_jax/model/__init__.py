@@ -11,14 +11,5 @@ from mhc_jax.model.transformer import (
   zero_probes,
 )
 
-__all__ = [
-  "Transformer",
-  "count_params",
-  "expected_params",
-  "loop_to_scan",
-  "make_mixer",
-  "probe_shape",
-  "scan_to_loop",
-  "state_shapes",
-  "zero_probes",
-]
+__all__ = ["Transformer", "count_params", "expected_params", "loop_to_scan", "make_mixer"]
+__all__ += ["probe_shape", "scan_to_loop", "state_shapes", "zero_probes"]

@@ -12,6 +12,10 @@ def _size(tree) -> int:
   return int(sum(np.prod(np.shape(l)) for l in jax.tree.leaves(tree)))
 
 
+def _counts(total: int, embedding: int, mixer: int) -> dict[str, int]:
+  return dict(total=total, embedding=embedding, non_embedding=total - embedding, mixer=mixer)
+
+
 def count_params(params) -> dict[str, int]:
   """``total``, ``embedding`` (token table, plus an untied head), ``non_embedding``, ``mixer``."""
   params = params.get("params", params)
@@ -22,12 +26,7 @@ def count_params(params) -> dict[str, int]:
     keys = [getattr(k, "key", None) for k in path]
     if any(k in MIXER_KEYS for k in keys):
       mixer += int(np.prod(np.shape(leaf)))
-  return {
-    "total": total,
-    "embedding": embedding,
-    "non_embedding": total - embedding,
-    "mixer": mixer,
-  }
+  return _counts(total, embedding, mixer)
 
 
 def expected_params(cfg) -> dict[str, int]:
@@ -44,10 +43,4 @@ def expected_params(cfg) -> dict[str, int]:
   norms = 2 * c if type(mix).pre_norm else 0
   block = 4 * c * c + 2 * c * hidden + norms + (2 * d if cfg.qk_norm else 0)
   mixer = 2 * L * mix.layer_params(c) + mix.collapse_params(c)
-  total = embedding + L * block + c + mixer
-  return {
-    "total": total,
-    "embedding": embedding,
-    "non_embedding": total - embedding,
-    "mixer": mixer,
-  }
+  return _counts(embedding + L * block + c + mixer, embedding, mixer)
