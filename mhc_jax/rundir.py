@@ -91,10 +91,7 @@ def mixer_note(run_dir) -> str:
   return f"; this run was trained with {s['mixer']} from {s['file']}{version}" if s else ""
 
 
-# ------------------------------------------------------------------------------------------
-# Locking.
-
-
+# ------------------------------------------------------------------------------------------ Locking
 def _pid_alive(pid: int) -> bool:
   try:
     os.kill(pid, 0)

@@ -56,10 +56,7 @@ class Sweep:
     return next(r for r in self.runs if r.name == name)
 
 
-# ------------------------------------------------------------------------------------------
-# Reading the file.
-
-
+# --------------------------------------------------------------------------------- Reading the file
 def _flatten_set(value: Any, key: str = "set") -> dict:
   """`set` as {dotted key: value}: a mapping (nested ones flattened) or KEY=VALUE strings."""
   if value is None:
@@ -288,10 +285,7 @@ def _validated(
   raise ConfigError(f"{label}.{k}: value {overrides[k]!r}{where}: {err}") from None
 
 
-# ------------------------------------------------------------------------------------------
-# Names and the grid.
-
-
+# ------------------------------------------------------------------------------- Names and the grid
 def _fmt_value(v: Any) -> str:
   if isinstance(v, bool) or v is None:
     return json.dumps(v)
@@ -344,10 +338,7 @@ def population_groups(sweep: Sweep, names: list[str] | None = None) -> list[list
   return list(groups.values())
 
 
-# ------------------------------------------------------------------------------------------
-# Preparation (data sources, vocabulary, mesh) and the dry-run estimate.
-
-
+# ---------------------------- Preparation (data sources, vocabulary, mesh) and the dry-run estimate
 def prepare_runs(sweep: Sweep, prepare=None, note: str = "") -> dict:
   """{run name: prepare(its config)} (default train.loop.prepare: a Setup); ConfigError naming
   the run and the axis at fault (then `note`) on the first bad one."""
@@ -395,16 +386,10 @@ def dry_run_table(sweep: Sweep, setups: Mapping):
   for r in sweep.runs:
     cfg = setups[r.name].cfg
     p = param_counts(cfg.model)
-    rows.append(
-      {
-        "run": r.name,
-        "population": group_of[r.name],
-        "params": p["total"],
-        "non_embedding": p["non_embedding"],
-        "tokens": cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len,
-        "train_flops": train_flops(cfg, p),
-      }
-    )
+    row = {"run": r.name, "population": group_of[r.name], "params": p["total"]}
+    row |= {"non_embedding": p["non_embedding"]}
+    row |= {"tokens": cfg.train.steps * cfg.data.batch_size * cfg.data.seq_len}
+    rows.append(row | {"train_flops": train_flops(cfg, p)})
   df = pd.DataFrame(rows)
   return df if sweep.population else df.drop(columns=["population"])
 

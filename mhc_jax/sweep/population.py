@@ -23,9 +23,7 @@ from mhc_jax.train.optim import make_optimizer
 from mhc_jax.train.state import State, init_fn, state_shardings
 from mhc_jax.train.step import locate_nonfinite, make_eval_step, make_loss, make_train_step
 
-# ------------------------------------------------------------------------------------------
-# Who can be a population.
-
+# -------------------------------------------------------------------------- Who can be a population
 #: Axes that leave every shape alone, so runs differing only in them can share one program.
 POPULATION_KEYS = ("optim.lr", "train.seed", "model.init_scale")
 
@@ -58,10 +56,7 @@ def check_members(cfgs: Sequence[Config]) -> None:
         )
 
 
-# ------------------------------------------------------------------------------------------
-# The compiled programs.
-
-
+# ---------------------------------------------------------------------------- The compiled programs
 @dataclasses.dataclass
 class Programs:
   model: Transformer
@@ -162,10 +157,7 @@ def put_batches(batches: list[dict], mesh, stacked: bool) -> dict:
   return sh.put_batch(batches[0], mesh, stacked)
 
 
-# ------------------------------------------------------------------------------------------
-# Training: the population as the engine's program (train.loop.run_members).
-
-
+# ------------------------ Training: the population as the engine's program (train.loop.run_members)
 class PopulationProgram(Program):
   """The members' state stacked along a leading axis, stepped as one vmapped program."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -37,10 +38,7 @@ def _say(msg: str) -> None:
     print(msg, flush=True)
 
 
-# ------------------------------------------------------------------------------------------
-# The plan: which runs are finished (their summaries), the manifest, a changed sweep file.
-
-
+# ---------- The plan: which runs are finished (their summaries), the manifest, a changed sweep file
 def run_status(run_dir) -> tuple[str, str | None]:
   """(``done`` | ``failed`` | ``pending``, the failure's message) from ``summary.json``."""
   s = rundir.read_summary(run_dir)
@@ -110,38 +108,27 @@ def plan(sweep: grid.Sweep, out_dir) -> tuple[dict, list[str], list[str]]:
     info["status"], error = run_status(out_dir / info.get("dir", f"runs/{name}"))
     if error:
       info["error"] = error
-  manifest = {
-    "name": sweep.name,
-    "sweep_file": str(sweep.path) if sweep.path else None,
-    "base": str(sweep.base_path) if sweep.base_path else None,
-    "set": sweep.set,
-    "axes": sweep.axes,
-    "population": list(sweep.population),
-    "base_config": sweep.base_config,
-    "runs": runs,
-  }
+  manifest = {"name": sweep.name, "sweep_file": str(sweep.path) if sweep.path else None}
+  manifest |= {"base": str(sweep.base_path) if sweep.base_path else None, "set": sweep.set}
+  manifest |= {"axes": sweep.axes, "population": list(sweep.population)}
+  manifest |= {"base_config": sweep.base_config, "runs": runs}
   return manifest, [r.name for r in sweep.runs if runs[r.name]["status"] == "pending"], notes
 
 
-# ------------------------------------------------------------------------------------------
-# One unit (a run, or a population): here, or as a submitit job.
-
-
+# ------------------------------------ One unit (a run, or a population): here, or as a submitit job
 @contextlib.contextmanager
 def _locked(run_dirs: list, say=print):
   """Hold every run directory's lock (process 0), waiting while another trainer has one."""
   with contextlib.ExitStack() as stack:
     if dist.is_main():
       for d in run_dirs:
-        told = False
-        while True:
+        for attempt in itertools.count():
           try:
             stack.enter_context(rundir.Lock(d))
             break
           except RunLocked as e:
-            if not told:
+            if not attempt:
               say(f"waiting: {e}")
-              told = True
             time.sleep(5.0)
     yield
 
@@ -208,10 +195,7 @@ class Unit:
     return submitit.helpers.DelayedSubmission(self, *args, **kwargs)
 
 
-# ------------------------------------------------------------------------------------------
-# Running a sweep.
-
-
+# ---------------------------------------------------------------------------------- Running a sweep
 def _said(unit: list, run_dir) -> str:
   """What a unit's run is about to do: start, or resume from its newest checkpoint."""
   step = max(rundir.checkpoint_steps(run_dir), default=0)
@@ -328,9 +312,8 @@ def _run_jobs(sweep, out_dir, units, k, kind, params, say, progress) -> bool:
   _, slots = devices_per_job(k, kind, params)
   queue, active, free, stop = list(units), {}, list(range(k)), []
   handlers = {s: signal.signal(s, lambda n, f: stop.append(n)) for s in (2, 15)}
-  bar = tqdm(
-    total=sum(map(len, units)), unit="run", desc=f"sweep {sweep.name}", disable=not progress
-  )
+  total, desc = sum(map(len, units)), f"sweep {sweep.name}"
+  bar = tqdm(total=total, unit="run", desc=desc, disable=not progress)
   told = False
   try:
     while queue or active:
@@ -479,10 +462,7 @@ def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
   return EXIT_FAILED if failed else EXIT_OK
 
 
-# ------------------------------------------------------------------------------------------
-# The command.
-
-
+# -------------------------------------------------------------------------------------- The command
 def print_dry_run(sweep: grid.Sweep, setups: dict, out_dir) -> None:
   table = grid.dry_run_table(sweep, setups)
   if read_manifest(out_dir) is not None:
@@ -520,15 +500,9 @@ def main(args, sweep: grid.Sweep | None = None) -> int:
     if kind == "slurm" and shutil.which("sbatch") is None:
       raise ConfigError("--executor slurm: sbatch not found; run the sweep on a SLURM login node")
     check_runs(sweep, devices_per_job(parallel or 1, kind, params)[0])  # no device touched here
-    k = parallel or (None if kind == "slurm" else 1)
+    k, quiet = parallel or (None if kind == "slurm" else 1), args.quiet
     return run_sweep(
-      sweep,
-      None,
-      out_dir,
-      progress=not args.quiet,
-      parallel=k,
-      executor=kind,
-      executor_params=params,
+      sweep, None, out_dir, progress=not quiet, parallel=k, executor=kind, executor_params=params
     )
   if not args.dry_run:
     d = dist.init_distributed(sweep.runs[0].cfg, args).dist
