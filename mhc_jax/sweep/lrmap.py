@@ -180,17 +180,13 @@ def lr_sensitivity_table(df: pd.DataFrame) -> pd.DataFrame:
     loss_init = float(init.mean()) if len(init) else math.nan
     finite = per_lr[np.isfinite(per_lr)]
     ok = len(per_lr) >= 2 and math.isfinite(loss_init)
+    best = (float(finite.idxmin()), float(finite.min())) if len(finite) else (math.nan, math.nan)
     rows.append(
-      {
-        **dict(zip(group_cols, key)),
-        "n_lr": len(per_lr),
-        "lrs": ", ".join(f"{x:g}" for x in per_lr.index),
-        "best_lr": float(finite.idxmin()) if len(finite) else math.nan,
-        "best_final_loss": float(finite.min()) if len(finite) else math.nan,
-        "loss_init": loss_init,
-        "n_diverged": int((~np.isfinite(per_lr)).sum()),
-        "lr_sensitivity": lr_sensitivity(per_lr.to_dict(), loss_init) if ok else math.nan,
-      }
+      {**dict(zip(group_cols, key)), "n_lr": len(per_lr)}
+      | {"lrs": ", ".join(f"{x:g}" for x in per_lr.index)}
+      | {"best_lr": best[0], "best_final_loss": best[1], "loss_init": loss_init}
+      | {"n_diverged": int((~np.isfinite(per_lr)).sum())}
+      | {"lr_sensitivity": lr_sensitivity(per_lr.to_dict(), loss_init) if ok else math.nan}
     )
   out = pd.DataFrame(rows, columns=[*group_cols, *LR_COLUMNS])
   out.attrs = {"group_columns": group_cols}

@@ -36,19 +36,8 @@ from mhc_jax.sweep.summary import (
 
 #: What the report's callers (cli, runner, notebook 02, the map command) import from here; the
 #: rest lives in summary, report_tables, sentences, report_figures and lrmap beside it.
-__all__ = [
-  "COLUMN_DOCS",
-  "LOG_SCALE",
-  "_EVAL_FIELDS",
-  "eval_columns",
-  "finding",
-  "groups_table",
-  "md_table",
-  "paired_table",
-  "screen",
-  "summary_table",
-  "write_report",
-]
+__all__ = ["COLUMN_DOCS", "LOG_SCALE", "_EVAL_FIELDS", "eval_columns", "finding", "groups_table"]
+__all__ += ["md_table", "paired_table", "screen", "summary_table", "write_report"]
 #: Shown in summary.md only where some run has them (summary.csv keeps them all).
 OPTIONAL_COLUMNS = ("attn_logit_max", "out_logit_max", "logz_absmax", *_EVAL_FIELDS)
 #: The columns a finished sweep prints after the run's axes (summary.csv has every column).
@@ -132,16 +121,13 @@ def _best_lr_text(table) -> str:
 
 def _page(sweep_dir, tabs, figures, paths, missing) -> str:
   """summary.md: the sentence, the tables, the notes, the figures, the column definitions."""
-  table, groups, paired, lr_tab = (
-    tabs[k] for k in ("summary", "groups", "paired", "lr_sensitivity")
-  )
+  table, groups, paired = tabs["summary"], tabs["groups"], tabs["paired"]
   status = ", ".join(f"{v} {k}" for k, v in table["status"].value_counts().items()) or "no runs"
   axes = table.attrs["axes"]
+  axes_text = ", ".join(f"{c} ({k})" for k, c in axes.items()) or "none"
   md = [
     f"# Sweep report: {logs.dir_name(sweep_dir)}\n",
-    f"{len(table)} runs ({status}). Sweep axes: "
-    + (", ".join(f"{c} ({k})" for k, c in axes.items()) or "none")
-    + ".\n",
+    f"{len(table)} runs ({status}). Sweep axes: {axes_text}.\n",
     f"**{finding(table)}**\n",
     *([_best_lr_text(table)] if "paired_best_lr" in tabs else []),
     "## Runs\n",
@@ -169,7 +155,7 @@ def _page(sweep_dir, tabs, figures, paths, missing) -> str:
       "metric.\n",
       md_table(shown) if len(shown) else "_(no pairs with finite values)_\n",
     ]
-  if len(lr_tab):
+  if len(lr_tab := tabs["lr_sensitivity"]):
     md += [
       "## Learning-rate sensitivity\n",
       "Wortsman et al.'s LR sensitivity: mean over the lr grid of min(final_loss, loss_init) - "

@@ -36,9 +36,8 @@ def _lr_curves(plots, runs: pd.DataFrame, path, dpi: int) -> str | None:
   panel = plots._panel_col(d)
   keep = lambda c: c not in ("lr", panel) and (c == "mixer" or plots._varying(d, c))
   line = [c for c in group_columns(runs) if keep(c)]
-  return plots.lr_curves(
-    d, path, y="final_loss", panel=[panel] if panel else [], line=line, dpi=dpi
-  )
+  panels = [panel] if panel else []
+  return plots.lr_curves(d, path, y="final_loss", panel=panels, line=line, dpi=dpi)
 
 
 def _figures(table, out, paths, max_heatmaps, dpi) -> tuple[list, list[str]]:
@@ -103,9 +102,8 @@ def _figures(table, out, paths, max_heatmaps, dpi) -> tuple[list, list[str]]:
       paths[f"heatmap:{name}"] = str(p)
   if heat := [k for k in paths if k.startswith("heatmap:")]:
     words = dict(info, n_heatmaps=len(heat), max_heatmaps=max_heatmaps)
-    figures.append(
-      (heat, "Per-layer gains over training", plots.CAPTIONS["heatmap"].format(**words))
-    )
+    caption = plots.CAPTIONS["heatmap"].format(**words)
+    figures.append((heat, "Per-layer gains over training", caption))
   if not chosen:
     missing.append(
       "No per-layer heatmaps: no run has logged per-layer gain_fwd / amax_fwd_composite."

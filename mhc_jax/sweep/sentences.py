@@ -10,16 +10,8 @@ import math
 import numpy as np
 import pandas as pd
 
-from mhc_jax.sweep import stats
+from mhc_jax.sweep import report_tables as tables, stats
 from mhc_jax.sweep.lrmap import endpoint_of as _endpoint
-from mhc_jax.sweep.report_tables import (
-  _fmt,
-  _mixer_order,
-  _option_columns,
-  arm_labels,
-  group_columns,
-  paired_table,
-)
 from mhc_jax.sweep.stats import _floats as _num
 
 #: Thresholds of :func:`finding` (docs/statistics.md, "The sentence under the table").
@@ -41,7 +33,7 @@ def _g(v: float) -> str:
   """A number for a sentence: 3 significant digits, plain notation where reasonable."""
   if math.isfinite(v) and v != 0 and (abs(v) >= 1e5 or abs(v) < 1e-3):
     return f"{v:.2g}"
-  return f"{v:.3g}" if math.isfinite(v) else _fmt(v)
+  return f"{v:.3g}" if math.isfinite(v) else tables._fmt(v)
 
 
 def _band(lo: float, hi: float) -> str:
@@ -62,16 +54,16 @@ def finding(df: pd.DataFrame) -> str:
   d = df[df["steps"] > 0] if "steps" in df.columns else df
   if not len(d):
     return "No run has logged metrics yet, so there is nothing to compare."
-  options = _option_columns(df)
-  d = d.assign(mixer=arm_labels(d, options)) if "mixer" in d.columns else d
+  options = tables._option_columns(df)
+  d = d.assign(mixer=tables.arm_labels(d, options)) if "mixer" in d.columns else d
   if "mixer" not in d.columns or d["mixer"].nunique() < 2:
     m = str(d["mixer"].iloc[0]) if "mixer" in d.columns else "one configuration"
     loss = _finite(d, "final_loss")
     tail = f" (final loss {_band(loss.min(), loss.max())})" if loss.size else ""
     return f"Only one mixer ({m}) has results{tail}, so there is no comparison between mixers."
-  order = _mixer_order(d["mixer"])
+  order = tables._mixer_order(d["mixer"])
   varies = lambda c: c in d.columns and d[c].map(stats._key).nunique() > 1  # noqa: E731
-  ctx = [c for c in group_columns(df) if c != "mixer" and c not in options and varies(c)]
+  ctx = [c for c in tables.group_columns(df) if c != "mixer" and c not in options and varies(c)]
   for rule in (_divergence, _learning, _growth, _spikes):
     if text := rule(d, order, ctx):
       return text + "."
@@ -223,7 +215,7 @@ def _loss(df, d, ctx) -> str | None:
   unit = "seed" if "seed" in d.columns else "run"
   seeded = "seed" in d.columns and d["seed"].nunique() > 1
   pairs = {}  # (context keys, {mixer_a, mixer_b}) -> the first paired row of ``col``
-  for _, p in paired_table(df).iterrows() if seeded else []:
+  for _, p in tables.paired_table(df).iterrows() if seeded else []:
     if p["metric"] == col:
       pairs.setdefault((*map(stats._key, p[ctx]), frozenset(p[["mixer_a", "mixer_b"]])), p)
 

@@ -50,10 +50,9 @@ def _floats(values: Iterable) -> np.ndarray:
 def mean_ci(
   values: Iterable[float], confidence: float = CONFIDENCE, *, log: bool = False
 ) -> tuple[float, float, float, int]:
-  """``(mean, ci_lo, ci_hi, n)`` with the Student t interval; ``log=True``: the geometric mean
-  and the back-transformed interval of the logs. ``n`` counts every value; a non-finite value
-  gives a NaN/inf mean and NaN interval, one value a NaN interval, none all NaN; on the log
-  scale a value <= 0 gives NaN, all zeros ``(0, 0, 0, n)`` (docs/statistics.md)."""
+  """``(mean, ci_lo, ci_hi, n)`` with the Student t interval (``n`` counts every value); ``log``:
+  the geometric mean and the back-transformed interval of the logs. Non-finite, single, missing
+  and (on the log scale) non-positive values: docs/statistics.md."""
   x = _floats(values)
   n = int(x.size)
   if n == 0:

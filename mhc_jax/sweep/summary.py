@@ -159,24 +159,21 @@ def _summarize(run_dir: Path) -> tuple[dict[str, Any], list[str]]:
   for _, e in events[kinds == "divergence"].head(1).iterrows():
     why = f" ({e['reason']})" if isinstance(e.get("reason"), str) else ""
     notes.append(f"divergence at step {int(e['step'])}{why}")
-  if records and not _layer_lists(records, "amax_fwd_composite"):
-    if _layer_lists(records, "gain_fwd"):  # diagnostics, but a mixer without H_res
+  logged = lambda name: bool(_layer_lists(records, name))  # noqa: E731
+  if records and not logged("amax_fwd_composite"):
+    if logged("gain_fwd"):  # diagnostics, but a mixer without H_res
       notes.append("no H_res: composite gains n/a")
       missing = [c for c in COLUMNS if c.startswith(("amax_", "amin_", "stream_spread"))]
     else:
       notes.append("no per-layer diagnostics")
-  elif records and not all(_layer_lists(records, name) for name in CURRENT):
+  elif records and not all(logged(name) for name in CURRENT):
     raise UsageError(
       f"{run_dir}: its logs predate the per-token composite, amin and suffix metrics"
       f" ({', '.join(CURRENT)}); this mhc_jax does not read them: {READS_OLD_LOGS} does"
     )
-  elif records and not _layer_lists(records, "stream_spread"):
+  elif records and not logged("stream_spread"):
     notes.append("not logged: stream spread")
-  if (
-    records
-    and _layer_lists(records, "amax_fwd_composite")
-    and not _layer_lists(records, "h_res_diag")
-  ):
+  if logged("amax_fwd_composite") and not logged("h_res_diag"):
     notes.append("not logged: H_res movement (h_res_*)")
   if status not in (None, "done"):
     notes.append(f"summary.json: {status}")
@@ -248,11 +245,10 @@ def summary_table(sweep_dir: str | os.PathLike) -> pd.DataFrame:
     )
   id_cols = ["run", *axes.values(), *roles]
   df = pd.DataFrame(records, columns=[*id_cols, *COLUMNS])
+  is_int = lambda v: isinstance(v, (int, np.integer)) and not isinstance(v, bool)  # noqa: E731
   for c in id_cols[1:]:  # integer axes stay integers even where a run lacks them
     vals = [r[c] for r in records]
-    if any(v is not None for v in vals) and all(
-      v is None or (isinstance(v, (int, np.integer)) and not isinstance(v, bool)) for v in vals
-    ):
+    if any(v is not None for v in vals) and all(v is None or is_int(v) for v in vals):
       df[c] = pd.array(vals, dtype="Int64")
   df["steps"] = df["steps"].astype("int64")
   for c in ("spike_count", "nonfinite"):  # unknown (NA) for a run that has logged nothing
