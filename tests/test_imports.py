@@ -43,6 +43,7 @@ FLOORS: dict[str, int] = {
   "mhc_jax.sweep": 3,
   "mhc_jax.sweep.grid": 4,
   "mhc_jax.sweep.runner": 4,
+  "mhc_jax.sweep.design_map": 4,
   "mhc_jax.cli": 5,
 }
 
