@@ -1,12 +1,9 @@
 """Paths that may be local or on an object store, and atomic writes.
 
-Run and sweep directories go through etils ``epath`` (the path library orbax uses), so
-``gs://bucket/runs/x`` stays an object-store path instead of becoming a local ``gs:/bucket``
-folder. :func:`path` makes one; :func:`is_local` tells the two kinds apart.
-
+:func:`path` is an etils ``epath`` (orbax's), so ``gs://bucket/runs/x`` stays an object-store
+path instead of a local ``gs:/bucket`` folder; :func:`is_local` tells the kinds apart.
 :func:`write_bytes_atomic` (and the text / JSON forms) never leaves half a file for a reader:
-locally it writes a temporary file in the same directory, fsyncs it and renames it over the
-target; on an object store one upload replaces the object whole, which is atomic already.
+locally a fsynced temporary file renamed over the target; on an object store one whole upload.
 """
 
 from __future__ import annotations
