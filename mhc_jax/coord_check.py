@@ -81,16 +81,50 @@ def verdicts(df: pd.DataFrame) -> pd.DataFrame:
   return pd.DataFrame(out, columns=["axis", "quantity", "slope", "verdict"])
 
 
+def _decade(ax, values: np.ndarray) -> None:
+  """Log y limits spanning at least a decade around the values, so flat reads as flat."""
+  v = values[np.isfinite(values) & (values > 0)]
+  if v.size:
+    lo, hi = np.log10(v.min()), np.log10(v.max())
+    pad = max(0.0, 1.0 - (hi - lo)) / 2 + 0.05
+    ax.set_ylim(10 ** (lo - pad), 10 ** (hi + pad))
+
+
 def plot(df: pd.DataFrame, path) -> None:
-  """Per axis and quantity, what the verdict fits (:func:`_last`) against size, log-log."""
+  """microsoft/mup's coordinate-check figure: a row per quantity, a column per axis and
+  parametrisation (sp beside the chosen one where both ran, same y range), log-log axes spanning
+  at least a decade; one line per block (against depth: the first, middle and last block) and
+  per step 1..T (lighter = earlier)."""
   import matplotlib.pyplot as plt
 
-  last, qs = _last(df), list(dict.fromkeys(df.quantity))
-  fig, axes = plt.subplots(2, len(qs), figsize=(4 * len(qs), 7), squeeze=False)
-  for (i, axis), (j, q) in ((a, b) for a in enumerate(("width", "depth")) for b in enumerate(qs)):
-    by = last[(last.axis == axis) & (last.quantity == q)].groupby(axis)
-    axes[i, j].loglog(by["value"].mean(), "o-")
-    axes[i, j].set(xlabel=axis, title=f"{q}, last block, step {df.step.max()}")
+  df = df if "parametrization" in df else df.assign(parametrization="")
+  qs, pars = list(dict.fromkeys(df.quantity)), list(dict.fromkeys(df.parametrization))
+  cols = [(a, p) for a in ("width", "depth") for p in pars if (df.axis == a).any()]
+  steps = sorted(t for t in df.step.unique() if t > 0) or [0]
+  fig, axes = plt.subplots(len(qs), len(cols), figsize=(3.6 * len(cols), 2.8 * len(qs)))
+  axes = np.asarray(axes).reshape(len(qs), len(cols))
+  cmap = plt.get_cmap("viridis")
+  for i, q in enumerate(qs):
+    row = df[(df.quantity == q) & df.step.isin(steps)]
+    for j, (axis, par) in enumerate(cols):
+      ax, d = axes[i, j], row[(row.axis == axis) & (row.parametrization == par)]
+      key = d.layer
+      if axis == "depth":  # blocks differ in number: the first, middle and last (0, 0.5, 1)
+        d = d[(d.layer == 0) | (d.layer == d.depth // 2) | (d.layer == d.depth - 1)]
+        key = np.select([d.layer == d.depth - 1, d.layer == 0], [1.0, 0.0], 0.5)
+      for (k, t), g in d.groupby([key, "step"]):
+        c = cmap(0.9 * (k if axis == "depth" else k / max(d.layer.max(), 1)))
+        alpha = 0.3 + 0.7 * (steps.index(t) + 1) / len(steps)
+        ax.plot(g[axis], g["value"], "o-", ms=3, lw=1, color=c, alpha=alpha)
+      ax.set_xscale("log", base=2)
+      ax.set_yscale("log")
+      _decade(ax, row[row.axis == axis]["value"].to_numpy(float))
+      ax.set(xlabel=axis, title=f"{q} - {par or 'run'}".rstrip(" -"))
+  fig.suptitle(
+    f"coordinate check: a line per block (colour: first -> last) and step {steps[0]}..{steps[-1]} "
+    "(lighter = earlier); flat = width/depth-independent",
+    fontsize=9,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -112,14 +146,25 @@ def main(args) -> int:
   par += [f"model.parametrization={args.parametrization}"] if args.parametrization else []
   base = [*FIXED, f"model.mixer={args.mixer}", f"train.steps={args.steps}", *par, *args.set]
   size = lambda k, v: [f"model.{k}={v}"] if v else []
-  make = lambda w, d: load_config(args.config, [*base, *size("width", w), *size("depth", d)])
-  df = run(make, widths, depths, args.steps, progress=not args.quiet)
-  m = make(None, None).model
+  maker = lambda extra: (
+    lambda w, d: load_config(args.config, [*base, *extra, *size("width", w), *size("depth", d)])
+  )
+  m = maker([])(None, None).model
+  # beside sp, so that flat reads against what grows (microsoft/mup's figure)
+  pars = [m.parametrization] + (["sp"] if m.parametrization != "sp" else [])
+  frames = []
+  for par in pars:
+    make = maker([f"model.parametrization={par}"])
+    frames.append(run(make, widths, depths, args.steps, progress=not args.quiet))
+    frames[-1].insert(0, "parametrization", par)
   print(f"{args.mixer} under {m.parametrization} (base width {m.base_width}, depth {m.base_depth})")
   out.mkdir(parents=True)
+  df = pd.concat(frames, ignore_index=True)
   df.to_csv(out / "coord_check.csv", index=False)
   plot(df, out / "coord_check.png")
-  for r in verdicts(df).itertuples():
-    print(f"{args.mixer} {r.quantity} against {r.axis}: {r.verdict} (slope {r.slope:+.2f})")
+  for par, frame in zip(pars, frames):
+    tag = "" if par == m.parametrization else f" [{par}]"
+    for r in verdicts(frame).itertuples():
+      print(f"{args.mixer} {r.quantity} against {r.axis}: {r.verdict} (slope {r.slope:+.2f}){tag}")
   print(f"coord check: {out}/coord_check.csv, {out}/coord_check.png")
   return 0

@@ -94,12 +94,16 @@ def test_cli_writes_the_csv_and_plot_and_prints_verdicts(tmp_path, capsys):
   lines = capsys.readouterr().out.splitlines()
   # the base: the smallest depth checked, the width --set gave (docs/parametrization.md)
   assert lines[0] == "residual under mup (base width 8, depth 1)"
-  assert sum(" against width: " in ln for ln in lines) == 4
-  assert sum(" against depth: " in ln for ln in lines) == 4
+  # the chosen parametrisation's verdicts, then sp's beside them (tagged)
+  assert sum(" against width: " in ln and "[sp]" not in ln for ln in lines) == 4
+  assert sum(" against depth: " in ln and "[sp]" not in ln for ln in lines) == 4
+  assert sum(ln.endswith("[sp]") for ln in lines) == 8
   df = pd.read_csv(out / "coord_check.csv")
-  assert list(df.columns) == ["axis", "width", "depth", "layer", "quantity", "step", "value"]
-  # quantities x steps 0, 1 x the blocks of widths 16, 32 (depth 1) and depths 1, 2 (width 16)
-  assert len(df) == 4 * 2 * (1 + 1 + 1 + 2) and np.isfinite(df.value).all()
+  cols = ["parametrization", "axis", "width", "depth", "layer", "quantity", "step", "value"]
+  assert list(df.columns) == cols and list(df.parametrization.unique()) == ["mup", "sp"]
+  # per parametrisation: quantities x steps 0, 1 x the blocks of widths 16, 32 (depth 1) and
+  # depths 1, 2 (width 16)
+  assert len(df) == 2 * 4 * 2 * (1 + 1 + 1 + 2) and np.isfinite(df.value).all()
   assert set(df[df.axis == "depth"].width) == {16} and set(df[df.axis == "width"].depth) == {1}
   assert sorted(p.name for p in out.iterdir()) == ["coord_check.csv", "coord_check.png"]
 
