@@ -30,9 +30,8 @@ class Checkpoints:
   save asynchronously."""
 
   def __init__(self, directory, keep: int | None = 2, async_save: bool = True):
-    self.dir = storage.path(
-      os.path.abspath(directory) if storage.is_local(directory) else directory
-    )
+    local = storage.is_local(directory)
+    self.dir = storage.path(os.path.abspath(directory) if local else directory)
     _single_replica_saves_on_one_cpu_process()
     opts = ocp.CheckpointManagerOptions(
       max_to_keep=keep, create=True, enable_async_checkpointing=async_save
@@ -46,22 +45,16 @@ class Checkpoints:
     return sorted(self.mngr.all_steps())
 
   def save(self, step: int, state, host: dict, force: bool = False) -> None:
-    self.mngr.save(
-      step,
-      args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
-      force=force,
-    )
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host))
+    self.mngr.save(step, args=args, force=force)
 
   def restore(self, abstract_state, step: int | None = None):
     """(state, host dict) at ``step`` (default: the latest), straight into the shardings of
     ``abstract_state`` (ShapeDtypeStructs: nothing is allocated before the restore)."""
     step = self.latest() if step is None else step
-    out = self.mngr.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), host=ocp.args.JsonRestore()
-      ),
-    )
+    restore = ocp.args.StandardRestore(abstract_state)
+    args = ocp.args.Composite(state=restore, host=ocp.args.JsonRestore())
+    out = self.mngr.restore(step, args=args)
     return out["state"], out["host"]
 
   def prune_after(self, step: int) -> None:

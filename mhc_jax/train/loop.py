@@ -102,10 +102,7 @@ def mean_over_batches(eval_fn, params, batch_fn, n: int):
   return jax.tree.map(lambda a: a / n, acc)
 
 
-# ------------------------------------------------------------------------------------------
-# The programs: a single run is a program of one member.
-
-
+# -------------------------------------------- The programs: a single run is a program of one member
 class Program:
   """The engine's program interface (``n``, ``init``, ``abstract``, ``stack``, ``member``,
   ``step``, ``evaluate``, ``to_host``, ``params``): the parts a run and a population share."""
@@ -170,10 +167,7 @@ class SingleProgram(Program):
       self._eval.trace(state.params, shapes(host_batch(self.source, self.cfg, 0, "validation")))
 
 
-# ------------------------------------------------------------------------------------------
-# The engine.
-
-
+# --------------------------------------------------------------------------------------- The engine
 class _Progress:
   """tqdm on a terminal; plain periodic lines otherwise (logs, CI)."""
 
@@ -188,21 +182,17 @@ class _Progress:
     if not self.enabled or not recs:
       return
     if self.n == 1:
-      rec = recs[0]
-      text = (
-        f"loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.3g} "
-        f"tok/s {rec.get('tokens_per_s', float('nan')):.0f}"
-      )
+      rec, nan = recs[0], float("nan")
+      text = f"loss {rec['loss']:.4f} gnorm {rec['grad_norm']:.3g} "
+      text += f"tok/s {rec.get('tokens_per_s', nan):.0f}"
     else:
       text = f"population of {self.n}: loss " + " ".join(f"{r['loss']:.4g}" for r in recs)
     if self.bar is not None:
       self.bar.set_postfix_str(text, refresh=False)
       self.bar.update(1)
     elif (step + 1) % self.every == 0 or step + 1 == self.total:
-      print(
-        f"step {step + 1}/{self.total} {text} elapsed {time.perf_counter() - self.t0:.0f}s",
-        flush=True,
-      )
+      elapsed = time.perf_counter() - self.t0
+      print(f"step {step + 1}/{self.total} {text} elapsed {elapsed:.0f}s", flush=True)
 
   def close(self):
     if self.bar is not None:
@@ -265,10 +255,8 @@ def _run(program, cfgs, run_dirs, resume, progress, main, extra) -> list:
   steps = cfg.train.steps
   recorders = [Recorder(d, c, main=main, extra=e) for d, c, e in zip(run_dirs, cfgs, extra)]
   ckpts = [Checkpoints(d / "checkpoints", keep=cfg.train.keep_ckpts) for d in run_dirs]
-  start = None
-  if resume:
-    common = set.intersection(*(rundir.checkpoint_steps(d) for d in run_dirs))
-    start = max(common) if common else None
+  common = set.intersection(*(rundir.checkpoint_steps(d) for d in run_dirs)) if resume else set()
+  start = max(common) if common else None
   for ck in ckpts:  # checkpoints past the start belong to an abandoned attempt
     ck.prune_after(-1 if start is None else start)
   if start is not None:
@@ -381,10 +369,8 @@ def _finish(program, state, recorders, halted, preempted, failed, step) -> list:
       status, info = "failed", (step, None, None)
     else:
       status = "halted" if halted[i] else "preempted" if preempted else "done"
-    msg = halted[i] or (
-      f"SIGTERM at step {step}: checkpoint saved" if status == "preempted" else ""
-    )
-    out.append(r.finish(status, msg, *info))
+    stopped = f"SIGTERM at step {step}: checkpoint saved" if status == "preempted" else ""
+    out.append(r.finish(status, halted[i] or stopped, *info))
   return out
 
 

@@ -73,15 +73,10 @@ class Recorder:
 
   def host_state(self, step: int) -> dict:
     """What a checkpoint at ``step`` keeps of this recorder (JSON)."""
-    return {
-      "step": step,
-      "monitor": self.monitor.state_dict(),
-      "divergence": self.divergence.state_dict(),
-      "diverged": self.diverged,
-      "first_nonfinite": self.first_nonfinite,
-      "wall_s": self.wall_s(),
-      "h_res0": None if self.h_res0 is None else self.h_res0.tolist(),
-    }
+    out = {"step": step, "monitor": self.monitor.state_dict()}
+    out |= {"divergence": self.divergence.state_dict(), "diverged": self.diverged}
+    out |= {"first_nonfinite": self.first_nonfinite, "wall_s": self.wall_s()}
+    return out | {"h_res0": None if self.h_res0 is None else self.h_res0.tolist()}
 
   def wall_s(self) -> float:
     return self.wall_before + time.perf_counter() - self.t0
@@ -117,15 +112,9 @@ class Recorder:
     fired = self.divergence.update(rec["loss"] if finite else math.nan)
     if fired and self.diverged is None:
       self.diverged = {"step": step, "reason": self.divergence.reason}
-      events.append(
-        {
-          "step": step,
-          "kind": "divergence",
-          "value": rec["loss"],
-          "threshold": float(self.divergence.threshold),
-          "reason": self.divergence.reason,
-        }
-      )
+      thr, reason = float(self.divergence.threshold), self.divergence.reason
+      ev = {"step": step, "kind": "divergence", "value": rec["loss"], "threshold": thr}
+      events.append({**ev, "reason": reason})
     halt = None
     if not finite and cfg.nonfinite == "halt":
       halt = (
@@ -136,14 +125,8 @@ class Recorder:
       d = self.diverged
       halt = f"loss diverged at step {d['step']} ({d['reason']}); train.halt_on_divergence=true"
     if self.main:
-      if (
-        step % cfg.log_every == 0
-        or step == cfg.steps - 1
-        or "gain_fwd" in rec
-        or has_eval
-        or not finite
-        or halt
-      ):
+      due = step % cfg.log_every == 0 or step == cfg.steps - 1 or "gain_fwd" in rec
+      if due or has_eval or not finite or halt:
         self.metrics.write({"step": step, **rec})
         if self.tb is not None:
           self.tb.write({"step": step, **rec})
@@ -182,20 +165,10 @@ class Recorder:
         f"the loss diverged at step {self.diverged['step']} "
         f"({self.diverged['reason']}); train.halt_on_divergence is off"
       )
-    s = {
-      "status": status,
-      "message": message,
-      "steps": steps,
-      "final_loss": self.last_loss,
-      "wall_s": self.wall_s(),
-      "params": params,
-      "nonfinite": nonfinite,
-      "spikes": self.monitor.total_spikes,
-      "divergence": self.diverged,
-      "first_nonfinite": self.first_nonfinite,
-      **self.last_eval,
-      **self.extra,
-    }
+    s = {"status": status, "message": message, "steps": steps, "final_loss": self.last_loss}
+    s |= {"wall_s": self.wall_s(), "params": params, "nonfinite": nonfinite}
+    s |= {"spikes": self.monitor.total_spikes, "divergence": self.diverged}
+    s |= {"first_nonfinite": self.first_nonfinite, **self.last_eval, **self.extra}
     for w in (self.metrics, self.events, self.tb):
       if w is not None:
         w.close()

@@ -31,9 +31,8 @@ def abstract_boxed(model, example_tokens, tx):
 def param_shapes(model, tokens: jax.ShapeDtypeStruct):
   """The boxed parameter shapes of ``model.init`` on tokens of that shape, traced once per
   (model, shape) in a process (flax modules hash by their fields, so an equal model is a hit)."""
-  return jax.eval_shape(
-    lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(tokens.shape, tokens.dtype))
-  )
+  init = lambda: model.init(jax.random.PRNGKey(0), jnp.zeros(tokens.shape, tokens.dtype))
+  return jax.eval_shape(init)
 
 
 def state_shardings(model, example_tokens, tx, mesh) -> State:
@@ -62,19 +61,16 @@ def init_fn(model, example_tokens, tx):
 def create_state(model, example_tokens, tx, mesh, seed: int) -> tuple[State, State]:
   """(state, its shardings): initialised directly into its shards with ``jit(out_shardings)``."""
   shard = state_shardings(model, example_tokens, tx, mesh)
-  return jax.jit(init_fn(model, example_tokens, tx), out_shardings=shard)(
-    jax.random.PRNGKey(seed)
-  ), shard
+  state = jax.jit(init_fn(model, example_tokens, tx), out_shardings=shard)(jax.random.PRNGKey(seed))
+  return state, shard
 
 
 def abstract_state(shard: State, model, example_tokens, tx) -> State:
   """ShapeDtypeStructs with shardings: what a checkpoint is restored into."""
   params, opt = abstract_boxed(model, example_tokens, tx)
+  i32 = jax.ShapeDtypeStruct((), jnp.int32)
   shapes = State(
-    step=jax.ShapeDtypeStruct((), jnp.int32),
-    params=nn.meta.unbox(params),
-    opt_state=nn.meta.unbox(opt),
-    nonfinite=jax.ShapeDtypeStruct((), jnp.int32),
+    step=i32, params=nn.meta.unbox(params), opt_state=nn.meta.unbox(opt), nonfinite=i32
   )
   return jax.tree.map(
     lambda s, d: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=d), shapes, shard

@@ -90,9 +90,7 @@ def make_train_step(model, tx, schedule, cfg, locate: bool = True):
 
   def step(state: State, batch: dict, diag: bool):
     b, t = batch["inputs"].shape
-    probes = None
-    if diag:
-      probes = zero_probes(cfg.model, b, t, squares=True)
+    probes = zero_probes(cfg.model, b, t, squares=True) if diag else None
     (total, (loss, z, aux)), (grads, g_probe) = jax.value_and_grad(
       loss_fn, argnums=(0, 1), has_aux=True
     )(state.params, probes, batch)
@@ -110,24 +108,18 @@ def make_train_step(model, tx, schedule, cfg, locate: bool = True):
       nonfinite=state.nonfinite + (~finite).astype(jnp.int32),
     )
     upd_rms = dg.tree_rms(updates)
-    metrics = {
-      "loss": loss,
-      "z_loss": z,
-      "lr": lr,
-      "grad_norm": grad_norm,
-      "grad_norm_clipped": jnp.minimum(grad_norm, clip) if clip > 0 else grad_norm,
-      "param_norm": dg.tree_norm(new.params),
-      "update_rms_lr": jnp.where(lr > 0, upd_rms / jnp.where(lr > 0, lr, 1.0), 0.0),
-      "nonfinite": new.nonfinite,
-      "finite": finite,
-    }
+    metrics = {"loss": loss, "z_loss": z, "lr": lr, "grad_norm": grad_norm}
+    metrics["grad_norm_clipped"] = jnp.minimum(grad_norm, clip) if clip > 0 else grad_norm
+    metrics["param_norm"] = dg.tree_norm(new.params)
+    metrics["update_rms_lr"] = jnp.where(lr > 0, upd_rms / jnp.where(lr > 0, lr, 1.0), 0.0)
+    metrics |= {"nonfinite": new.nonfinite, "finite": finite}
     if diag:
       size = sum(a.size for a in jax.tree.leaves(state_shapes(cfg.model, b, t)))
       metrics |= diag_metrics(aux, g_probe, grads, cfg.model.depth, size)
       if "blocks" in grads["params"]:  # update-to-parameter ratio per block
         blocks = lambda tree: dg.tree_layer_norms(tree["params"]["blocks"])
         metrics["update_ratio"] = blocks(updates) / blocks(state.params)
-    if diag:  # located from this pass's own stats: no second pass
+      # located from this pass's own stats: no second pass
       metrics["nonfinite_at"] = jnp.where(finite, -1, nonfinite_where(aux, g_probe[0], loss, grads))
     elif locate and cfg.train.diag_every:  # a re-run with the stats, only at a non-finite step
       where = lambda: locate_nonfinite(loss_fn, cfg, state.params, batch)
