@@ -210,15 +210,9 @@ def _to_long(df: pd.DataFrame) -> pd.DataFrame:
     values = m["value"].to_numpy(np.float64)
   except (TypeError, ValueError):  # nested lists (e.g. matrices per layer)
     values = pd.Series(m["value"].tolist(), dtype=object)
-  return pd.DataFrame(
-    {
-      "step": m["step"].to_numpy(np.int64),
-      "metric": pd.Series(m["metric"].tolist(), dtype="str"),
-      "layer": m.groupby(level=0).cumcount().to_numpy(np.int64),
-      "value": values,
-    },
-    columns=LONG_COLUMNS,
-  )
+  steps, layers = m["step"].to_numpy(np.int64), m.groupby(level=0).cumcount().to_numpy(np.int64)
+  metric = pd.Series(m["metric"].tolist(), dtype="str")
+  return pd.DataFrame({"step": steps, "metric": metric, "layer": layers, "value": values})
 
 
 def load_run(run_dir: str | os.PathLike, long: bool = False) -> pd.DataFrame:
