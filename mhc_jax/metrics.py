@@ -42,53 +42,58 @@ def _m(name, shape, when, meaning, log=False, summary=None, plot=None) -> Metric
   return Metric(name, shape, when, meaning, log, dict(summary or {}), plot)
 
 
+def _step(name, meaning, **kw) -> Metric:  # a scalar logged every step
+  return _m(name, "scalar", "step", meaning, **kw)
+
+
+def _diag(name, shape, meaning, **kw) -> Metric:  # logged every train.diag_every steps
+  return _m(name, shape, "diag", meaning, **kw)
+
+
+def _eval(name, meaning, shape="scalar", **kw) -> Metric:  # every train.eval_every steps
+  return _m(name, shape, "eval", meaning, **kw)
+
+
 _GAIN = "Amax gain (max |row sum| fwd, max |column sum| bwd)"
 METRICS: tuple[Metric, ...] = (
   # ----------------------------------------------------------------- every logged step
-  _m(
+  _step(
     "loss",
-    "scalar",
-    "step",
     "training loss, nats per token",
     summary={"loss_init": "first", "final_loss": "final", "min_loss": "min"},
     plot="curve",
   ),
-  _m("z_loss", "scalar", "step", "mean squared log partition function (the z-loss term)"),
-  _m("lr", "scalar", "step", "learning rate at this step"),
-  _m(
+  _step("z_loss", "mean squared log partition function (the z-loss term)"),
+  _step("lr", "learning rate at this step"),
+  _step(
     "grad_norm",
-    "scalar",
-    "step",
     "global gradient L2 norm before clipping",
     log=True,
     summary={"max_grad_norm": "max_after_warmup"},
     plot="curve",
   ),
-  _m("grad_norm_clipped", "scalar", "step", "global gradient norm after clipping"),
-  _m("param_norm", "scalar", "step", "global parameter L2 norm"),
-  _m("update_rms_lr", "scalar", "step", "RMS of the parameter update divided by the lr"),
-  _m("tokens_per_s", "scalar", "step", "training throughput, tokens per second"),
-  _m("step_time_s", "scalar", "step", "wall time of the step, seconds"),
-  _m("nonfinite", "scalar", "step", "running count of skipped non-finite steps"),
-  _m(
+  _step("grad_norm_clipped", "global gradient norm after clipping"),
+  _step("param_norm", "global parameter L2 norm"),
+  _step("update_rms_lr", "RMS of the parameter update divided by the lr"),
+  _step("tokens_per_s", "training throughput, tokens per second"),
+  _step("step_time_s", "wall time of the step, seconds"),
+  _step("nonfinite", "running count of skipped non-finite steps"),
+  _step(
     "spike_score",
-    "scalar",
-    "step",
     "fraction of spike steps in the trailing window (mhc_jax/spikes.py)",
     summary={"spike_score": "last"},
   ),
   # ----------------------------------------------------------------- every diag_every steps
-  _m("gain_fwd", "layer", "diag", "RMS(stream out) / RMS(stream in) of each layer", plot="heatmap"),
-  _m("branch_ratio", "layer", "diag", "RMS(sublayer output F) / RMS(stream in)"),
-  _m("grad_rms", "layer", "diag", "RMS of dLoss/d(stream entering the layer)"),
-  _m("gain_bwd", "layer", "diag", "factor by which the layer scales the gradient passing back"),
-  _m("amax_fwd", "layer", "diag", "forward Amax gain of the layer's own token-averaged H_res"),
-  _m("amax_bwd", "layer", "diag", "backward Amax gain of the layer's own token-averaged H_res"),
+  _diag("gain_fwd", "layer", "RMS(stream out) / RMS(stream in) of each layer", plot="heatmap"),
+  _diag("branch_ratio", "layer", "RMS(sublayer output F) / RMS(stream in)"),
+  _diag("grad_rms", "layer", "RMS of dLoss/d(stream entering the layer)"),
+  _diag("gain_bwd", "layer", "factor by which the layer scales the gradient passing back"),
+  _diag("amax_fwd", "layer", "forward Amax gain of the layer's own token-averaged H_res"),
+  _diag("amax_bwd", "layer", "backward Amax gain of the layer's own token-averaged H_res"),
   *(
-    _m(
+    _diag(
       f"amax_{d}_composite",
       "layer",
-      "diag",
       f"{word} {_GAIN} of the prefix product of the token-averaged H_res (what the mHC paper "
       "plots); the last entry is the whole depth",
       log=True,
@@ -101,10 +106,9 @@ METRICS: tuple[Metric, ...] = (
     for d, word in (("fwd", "forward"), ("bwd", "backward"))
   ),
   *(
-    _m(
+    _diag(
       f"amax_{d}_composite_tok_{k}",
       "layer",
-      "diag",
       f"{word} Amax gain of each sampled token's own prefix product of its H_res, {how} over the "
       "token sample (token averaging can hide it)",
       log=True,
@@ -115,10 +119,9 @@ METRICS: tuple[Metric, ...] = (
     for k, how in (("mean", "averaged"), ("max", "worst"))
   ),
   *(
-    _m(
+    _diag(
       f"amin_{d}_composite",
       "layer",
-      "diag",
       f"min |{side} sum| of the prefix product of H_res (below 1 the residual path attenuates)",
       log=True,
       summary={f"amin_{d}_composite_min": "min"},
@@ -126,22 +129,20 @@ METRICS: tuple[Metric, ...] = (
     for d, side in (("fwd", "row"), ("bwd", "column"))
   ),
   *(
-    _m(
+    _diag(
       f"amax_{d}_suffix",
       "layer",
-      "diag",
       f"{word} Amax gain of the suffix product of H_res, layer l to the output (mHC Eq. 4)",
       log=True,
       summary={f"amax_{d}_suffix_max_all_layers": "max_all_layers"},
     )
     for d, word in (("fwd", "forward"), ("bwd", "backward"))
   ),
-  _m("log_colsum_max", "layer", "diag", "max |log column sum| of the prefix product of H_res"),
-  _m("sinkhorn_err", "layer", "diag", "max column-sum error of the Sinkhorn projection"),
-  _m(
+  _diag("log_colsum_max", "layer", "max |log column sum| of the prefix product of H_res"),
+  _diag("sinkhorn_err", "layer", "max column-sum error of the Sinkhorn projection"),
+  _diag(
     "stream_spread",
     "layer",
-    "diag",
     "RMS(x - mean over streams) / RMS(x) after each layer: 0 = streams collapsed into one",
     log=True,
     summary={
@@ -151,77 +152,67 @@ METRICS: tuple[Metric, ...] = (
     },
     plot="layer",
   ),
-  _m(
+  _diag(
     "h_res_diag",
     "layer",
-    "diag",
     "mean diagonal of the layer's token-averaged H_res: 1 = no mixing (I), 1/n = uniform (J/n)",
     summary={"h_res_diag_mean": "layer_mean", "h_res_diag_min": "layer_min"},
     plot="layer",
   ),
-  _m(
+  _diag(
     "h_res_shift",
     "layer",
-    "diag",
     "RMS over the n x n entries of the token-averaged H_res minus its value at step 0",
     summary={"h_res_shift_mean": "layer_mean", "h_res_shift_max_all_layers": "max_all_layers"},
     plot="layer",
   ),
-  _m(
+  _diag(
     "h_res_dynamic_share",
     "layer",
-    "diag",
     "token-dependent share of H_res over the token sample: sum_s |H_s - mean H|^2 / "
     "sum_s |H_s - J/n|^2 (0 = static)",
     summary={"h_res_dynamic_share_mean": "layer_mean"},
   ),
-  _m(
+  _diag(
     "attn_logit_max",
     "block",
-    "diag",
     "largest pre-softmax attention logit per attention layer",
     summary={"attn_logit_max": "max_all_layers"},
   ),
-  _m("layer_grad_norm", "block", "diag", "gradient L2 norm of each block's parameters"),
-  _m("update_ratio", "block", "diag", "RMS(update) / RMS(params before it) per block", log=True),
-  _m("out_logit_max", "scalar", "diag", "largest output logit", summary={"out_logit_max": "max"}),
-  _m(
+  _diag("layer_grad_norm", "block", "gradient L2 norm of each block's parameters"),
+  _diag("update_ratio", "block", "RMS(update) / RMS(params before it) per block", log=True),
+  _diag("out_logit_max", "scalar", "largest output logit", summary={"out_logit_max": "max"}),
+  _diag(
     "logsumexp_mean",
     "scalar",
-    "diag",
     "mean log partition function of the output softmax (z-loss pulls it to 0)",
     summary={"logz_absmax": "absmax"},
   ),
-  _m("logsumexp_max", "scalar", "diag", "max log partition function of the output softmax"),
-  _m(
+  _diag("logsumexp_max", "scalar", "max log partition function of the output softmax"),
+  _diag(
     "growth_exponent",
     "scalar",
-    "diag",
     "(1/(2L)) ln(RMS(x leaving layer 2L-1) / RMS(x entering layer 0)), activations",
     summary={"growth_exponent": "last"},
   ),
-  _m("growth_exponent_grad", "scalar", "diag", "the same for gradients, output back to input"),
+  _diag("growth_exponent_grad", "scalar", "the same for gradients, output back to input"),
   # ----------------------------------------------------------------- every eval_every steps
-  _m(
+  _eval(
     "eval/loss",
-    "scalar",
-    "eval",
     "held-out loss on data.eval_batches validation batches: the primary endpoint",
     summary={"eval_loss": "last"},
   ),
-  _m(
+  _eval(
     "eval/kl_bits",
-    "scalar",
-    "eval",
     "KL(exact posterior || model), bits per position (wind tunnels)",
     summary={"kl_bits": "last"},
     plot="curve",
   ),
-  _m("eval/entropy_gap_bits", "scalar", "eval", "model entropy minus posterior entropy, bits"),
-  _m("eval/accuracy", "scalar", "eval", "argmax agreement with the posterior's mode"),
-  _m("eval/ece", "scalar", "eval", "expected calibration error"),
-  _m("eval/kl_bits_by_pos", "position", "eval", "eval/kl_bits per position"),
-  _m("eval/kl_bits_by_evidence", "position", "eval", "eval/kl_bits by evidence seen (bijection)"),
+  _eval("eval/entropy_gap_bits", "model entropy minus posterior entropy, bits"),
+  _eval("eval/accuracy", "argmax agreement with the posterior's mode"),
+  _eval("eval/ece", "expected calibration error"),
+  _eval("eval/kl_bits_by_pos", "eval/kl_bits per position", shape="position"),
+  _eval("eval/kl_bits_by_evidence", "eval/kl_bits by evidence seen (bijection)", shape="position"),
 )
 
 #: summary.json (written once, at the end of a run): field -> meaning.
