@@ -4,10 +4,14 @@ analysis, run on its committed runs.csv, gives the committed interval tables (do
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import math
 from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from mhc_jax.sweep import lrmap
 
 STUDIES = Path(__file__).resolve().parents[1] / "docs" / "studies"
 
@@ -374,3 +378,46 @@ def test_summary_reading_studies_run_on_a_reported_sweep(tmp_path):
     ("residual", "hc"),
   }
   assert scale.main([str(tmp_path / "nothing")]) == 2
+
+
+def _planted_horizon() -> pd.DataFrame:
+  """Two arms, the clipped lengths 150, 600, 2400 and the stress regime, lrs 2x apart, 2 seeds:
+  'fast' has its optimum at 0.032 / 0.016 / 0.008 (halving per 4x steps: beta 0.5) and fails
+  (no_training) two steps above it; 'slow' keeps 0.032 and never fails (a censored edge)."""
+  lrs, rows = [0.004 * 2**k for k in range(6)], []
+  lengths = {"stress150": (150, 0.0), "t150": (150, 1.0), "t600": (600, 1.0), "t2400": (2400, 1.0)}
+  for arm, (length, (steps, clip)), lr, seed in itertools.product(
+    ["fast", "slow"], lengths.items(), lrs, [0, 1]
+  ):
+    best = 0.032 / (steps / 150) ** 0.5 if arm == "fast" else 0.032
+    loss = 2.0 + 0.1 * math.log2(lr / best) ** 2 + 0.01 * seed
+    if arm == "fast" and lr >= 4 * best:
+      loss = 3.5  # within 0.1 nats of the baseline 3.55: did not train
+    rows.append(
+      {"arm": arm, "length": length, "steps": steps, "clip": clip, "lr": lr, "seed": seed}
+      | {"loss_init": 5.5, "eval_loss": loss, "baseline": 3.55, "ground_lost": 0.0}
+    )
+  runs = pd.DataFrame(rows)
+  return runs.assign(failure=lrmap.failure(runs))
+
+
+def test_horizon_exponents_and_ordering_by_hand():
+  """beta is the slope of -log lr* on log steps; a censored edge says so; an ordering that
+  flips with both differences at least a grid step is a flip."""
+  horizon = _analysis("horizon")
+  horizon.ARMS = ["fast", "slow"]
+  runs = _planted_horizon()
+  best = horizon.best_table(runs)
+  exp = horizon.exponents(best, runs).set_index("arm")
+  assert exp.loc["fast", "beta_opt"] == pytest.approx(0.5)
+  assert exp.loc["fast", "beta_edge"] == pytest.approx(0.5)
+  assert exp.loc["fast", "beta_opt_seed1"] == pytest.approx(0.5)
+  assert exp.loc["slow", "beta_opt"] == pytest.approx(0.0, abs=1e-9)
+  assert exp.loc["slow", "beta_edge_censored"] and not exp.loc["fast", "beta_edge_censored"]
+  order = horizon.ordering(best).set_index("metric")
+  edge = order.loc["largest_working_lr"]  # fast's edge: 0.064 at 150, 0.016 at 2400; slow: 0.128
+  assert edge["diff_stress150"] == pytest.approx(-1) and edge["diff_t2400"] == pytest.approx(-3)
+  assert not edge["flips"]
+  versus = horizon.map_vs_long(runs).set_index(["arm", "lr"])
+  assert versus.loc[("fast", 0.032), "t2400"] == "no_training/no_training"
+  assert not versus.loc[("fast", 0.032), "agree"] and versus.loc[("slow", 0.032), "agree"]
