@@ -1,4 +1,4 @@
-"""benchmarks/geometry_figures.py and mhc_jax.geometry_plots at toy size: residual, hc and mhc
+"""benchmarks/geometry_figures.py and mhc_jax.geometry.plots at toy size: residual, hc and mhc
 bijection runs and an HMM run, each trained a few steps, evaluated and drawn side by side."""
 
 import csv

@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from mhc_jax import geometry_plots
+from mhc_jax.geometry import plots as geometry_plots
 from mhc_jax.sweep import stats, study
 
 HERE = pathlib.Path(__file__).parent
@@ -29,7 +29,7 @@ PRIMARY_STEPS = (999, 1249, 1499, 1749, 1999)
 THRESHOLD_BITS = 0.03  # header-only / 10 on this task
 PRIMARY = [("hc", "mhc")]
 SECONDARY = [("mhc", "residual"), ("mhc", "mhc_identity"), ("hc", "residual")]
-# Exploratory geometry scores (mhc_jax/geometry_plots.py's CSV fields, from eval.json): the
+# Exploratory geometry scores (mhc_jax/geometry/plots.py's CSV fields, from eval.json): the
 # papers' key orthogonality (mean |cos| over random directions' at layer 0, log scale: < 1 is
 # more orthogonal than chance), its z against the random null, the value manifold's |corr(PC1,
 # posterior entropy)| and its z against shuffled entropies, and the same correlation with
