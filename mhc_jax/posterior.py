@@ -18,9 +18,6 @@ import jax.numpy as jnp
 LN2 = math.log(2.0)
 
 
-# ---------------------------------------------------------------- pointwise [B,T] quantities
-
-
 def log_probs(logits: jax.Array) -> jax.Array:
   return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
 
@@ -60,9 +57,6 @@ def confidence_pointwise(logits: jax.Array) -> jax.Array:
   return jnp.exp(jnp.max(log_probs(logits), axis=-1))
 
 
-# ---------------------------------------------------------------- reductions
-
-
 def masked_mean(values: jax.Array, mask: jax.Array) -> jax.Array:
   mask = mask.astype(jnp.float32)
   # where, not a product: a NaN at a masked-out position must not leak into the mean
@@ -73,9 +67,7 @@ def _group_ids(mask: jax.Array, groups: jax.Array | None, num_groups: int | None
   B, T = mask.shape
   if groups is None:
     return jnp.broadcast_to(jnp.arange(T), (B, T)), T
-  if num_groups is None:
-    num_groups = T + 1
-  return groups.astype(jnp.int32), int(num_groups)
+  return groups.astype(jnp.int32), int(T + 1 if num_groups is None else num_groups)
 
 
 @functools.partial(jax.jit, static_argnames="num_groups")
@@ -97,9 +89,10 @@ def group_mean(
   return jnp.where(n > 0, s / jnp.maximum(n, 1.0), jnp.nan)
 
 
-def _ece_sums(conf, correct, mask, ids, G, n_bins):
+def _ece_sums(posterior, logits, mask, ids, G, n_bins):
   m = mask.astype(jnp.float32).reshape(-1)
-  conf = jnp.where(mask > 0, conf, 0.0)
+  correct = correct_pointwise(posterior, logits)
+  conf = jnp.where(mask > 0, confidence_pointwise(logits), 0.0)
   bins = jnp.clip(jnp.floor(conf * n_bins).astype(jnp.int32), 0, n_bins - 1)
   seg = (ids * n_bins + bins).reshape(-1)
   gap = jnp.where(m > 0, (conf - correct).reshape(-1) * m, 0.0)
@@ -107,9 +100,6 @@ def _ece_sums(conf, correct, mask, ids, G, n_bins):
   per_group = jnp.sum(jnp.abs(gap.reshape(G, n_bins)), axis=-1)
   n = jax.ops.segment_sum(m, ids.reshape(-1), G)
   return per_group, n
-
-
-# ---------------------------------------------------------------- public metrics
 
 
 @jax.jit
@@ -133,11 +123,8 @@ def accuracy(posterior, logits, mask, targets=None) -> jax.Array:
 @functools.partial(jax.jit, static_argnames="n_bins")
 def ece(posterior, logits, mask, n_bins: int = 10) -> jax.Array:
   """Expected calibration error over masked positions (equal-width confidence bins)."""
-  B, T = mask.shape
-  ids = jnp.zeros((B, T), jnp.int32)
-  s, n = _ece_sums(
-    confidence_pointwise(logits), correct_pointwise(posterior, logits), mask, ids, 1, n_bins
-  )
+  ids = jnp.zeros(mask.shape, jnp.int32)
+  s, n = _ece_sums(posterior, logits, mask, ids, 1, n_bins)
   return (s / jnp.maximum(n, 1.0))[0]
 
 
@@ -149,9 +136,7 @@ def kl_bits_per_position(posterior, logits, mask, groups=None, num_groups=None) 
 @functools.partial(jax.jit, static_argnames=("num_groups", "n_bins"))
 def ece_per_position(posterior, logits, mask, groups=None, num_groups=None, n_bins: int = 10):
   ids, G = _group_ids(mask, groups, num_groups)
-  s, n = _ece_sums(
-    confidence_pointwise(logits), correct_pointwise(posterior, logits), mask, ids, G, n_bins
-  )
+  s, n = _ece_sums(posterior, logits, mask, ids, G, n_bins)
   return jnp.where(n > 0, s / jnp.maximum(n, 1.0), jnp.nan)
 
 
