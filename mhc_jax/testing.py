@@ -35,10 +35,8 @@ def xla_optimizations(on: bool):
 
 
 def sublayer_fn(key, c: int = C):
-  """A fixed, nonlinear stand-in for ``norm + attention/MLP``: ``tanh(v)``, ``v = norm(x) W``.
-
-  ``v`` plays the attention values (one head, ``[B, T, 1, C]``): a ``value_fn`` maps it first.
-  """
+  """A fixed, nonlinear stand-in for ``norm + attention/MLP``: ``tanh(v)``, ``v = norm(x) W``,
+  ``v`` playing the attention values (one head, ``[B, T, 1, C]``) a ``value_fn`` maps first."""
   w = jax.random.normal(key, (c, c)) / jnp.sqrt(c)
 
   def f(x, value_fn=None):
@@ -54,11 +52,8 @@ LAYERS = 4  # the mixer-layer count (2L) the checks tell mixers whose state depe
 
 
 def setup(name: str, n: int | None = None, dtype=jnp.float32, seed: int = 0, **opts):
-  """(mixer, params, state, sublayer, apply) for a small random state.
-
-  The state is ``mixer.expand`` of a random ``[B, T, C]`` input plus independent noise on every
-  leaf (so streams differ, as they do after training).
-  """
+  """(mixer, params, state, sublayer, apply) for a small random state: ``mixer.expand`` of a
+  random ``[B, T, C]`` input plus noise on every leaf (streams differ, as after training)."""
   if n is not None:
     opts = opts | {"n": n}
   mixer = mixers.get(name, layers=LAYERS, **opts)
@@ -156,10 +151,8 @@ def per_token_h_res(mixer, params, x, f):
 def check_invariants(name: str, seeds=(1, 2, 3), scale: float = 0.5, **opts) -> None:
   """Doubly stochastic H_res (per token and averaged) under random parameter perturbations.
 
-  Rows must be exact (the projection ends on a row step); the column error must be no larger
-  than the ``sinkhorn_err`` the mixer reports, and must fall below 1e-3 when the mixer is given
-  enough Sinkhorn iterations (truncation error, not a broken projection).
-  """
+  Rows exact; column error at most the reported ``sinkhorn_err``, and below 1e-3 given enough
+  Sinkhorn iterations (docs/interfaces.md, "The mixer contract")."""
   probe = mixers.get(name, **opts)
   if not type(probe).doubly_stochastic:
     return
@@ -195,8 +188,7 @@ SEP_THRESHOLD = 0.15  # the lower quartile of the spread over layers must exceed
 
 
 class _Layer(nn.Module):
-  """One mixer layer around a fixed-width sublayer ``tanh(Dense(norm(h)))``; returns the state and
-  its stream spread."""
+  """One mixer layer around a sublayer ``tanh(Dense(norm(h)))``: (state, its stream spread)."""
 
   name_: str
   opts: dict
@@ -241,12 +233,7 @@ class _Stack(nn.Module):
 
 
 def stream_separation(
-  name: str,
-  steps: int = SEP_STEPS,
-  depth: int = SEP_DEPTH,
-  lr: float = 1e-2,
-  seed: int = 0,
-  **opts,
+  name: str, steps: int = SEP_STEPS, depth: int = SEP_DEPTH, lr: float = 1e-2, seed: int = 0, **opts
 ) -> np.ndarray:
   """Stream spread after each of ``depth`` mixer layers, ``[steps + 1, depth]``: row ``k`` after
   ``k`` Adam steps of a tiny stack (:class:`_Stack`) learning a fixed random token map
@@ -327,12 +314,9 @@ def check_param_roles(name: str, **opts) -> None:
   """Every parameter of the mixer and of its collapse has a role (mup, completep) that fits its
   shape.
 
-  The class's ``param_roles`` maps the leaf name to a mixer role (docs/parametrization.md); the
-  role is checked against the shapes at widths C and 2C (as microsoft/mup's
-  ``assert_hidden_size_inf``): a width-like
-  role (hidden, readout, res_readout) grows with the width, in its fan-in (all axes but the
-  last) where it has two axes or more; a scalar-like one (norm, scalar, res) has a fan-in that
-  does not (a vector of the width may be a per-coordinate gain)."""
+  ``param_roles`` maps leaf names to roles (docs/parametrization.md), checked at widths C and 2C
+  as microsoft/mup's ``assert_hidden_size_inf``: a width-like role's fan-in (all axes but the
+  last; a vector: its size) grows with the width, a scalar-like one's does not."""
   roles = type(mixers.get(name, layers=LAYERS, **opts)).param_roles
   small, big = _param_shapes(name, C, **opts), _param_shapes(name, 2 * C, **opts)
   for path, shape in small.items():
