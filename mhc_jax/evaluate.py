@@ -1,13 +1,11 @@
 """``mhc-jax eval --run DIR [--batches N]``: posterior fidelity and geometry probes of a trained run.
 
-Loads ``DIR/config.yaml`` and the latest orbax checkpoint in ``DIR/checkpoints``, evaluates it on
-``N`` validation batches (the batches the trainer's in-loop eval starts with) and writes
-``DIR/eval.json`` (atomically), with a short summary on stdout. docs/windtunnel_results.md ("What
-eval.json holds") describes every field; ``--series``: every kept checkpoint and the run's
-initialisation (step 0; or only the steps of ``--steps``) instead, a row each in
-``DIR/geometry_series.csv`` (ibid., "The checkpoint series"). The probes themselves live in
-:mod:`mhc_jax.geometry`. Bad input (no such directory, no config.yaml, no checkpoint, a config
-that no longer validates, ``--batches < 1``, a step not kept): one ``error:`` line, exit 2.
+The latest checkpoint in ``DIR/checkpoints`` on ``N`` validation batches (those the trainer's
+in-loop eval starts with) into ``DIR/eval.json`` (docs/windtunnel_results.md, "What eval.json
+holds"), a summary on stdout; ``--series``: every kept checkpoint and step 0 (or ``--steps``), a
+row each in ``DIR/geometry_series.csv`` (ibid., "The checkpoint series"). Probes:
+:mod:`mhc_jax.geometry`. Bad input (no such directory, config.yaml or checkpoint, an invalid
+config, ``--batches < 1``, a step not kept): one ``error:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -37,9 +35,6 @@ from mhc_jax.train.step import token_loss
 
 FILTERING_FACTOR = 10  # filtering counts only at KL <= header-only baseline / 10
 SERIES_CSV = "geometry_series.csv"  # `mhc-jax eval --series`: one row per checkpoint
-
-
-# --------------------------------------------------------------------------------- loading
 
 
 def _open_run(run: Path):
@@ -109,9 +104,6 @@ def _forward_fns(model, cfg):
   return jax.jit(fwd), jax.jit(inter)
 
 
-# --------------------------------------------------------------------------------- metrics
-
-
 def pad_vocab(dist: np.ndarray, vocab: int) -> np.ndarray:
   """Zero-pad distributions over the data's vocabulary to the model's (which may be larger)."""
   extra = vocab - dist.shape[-1]
@@ -132,10 +124,8 @@ def kl_bits_dist(p: np.ndarray, q: np.ndarray) -> np.ndarray:
 def fidelity(host_batches: list[dict], logits: list[np.ndarray], source) -> dict:
   """posterior.fidelity_metrics over all batches at once, every baseline of
   ``source.baselines`` scored on the same positions and, on HMM filtering, the verdict."""
-  cat = {
-    k: np.concatenate([b[k] for b in host_batches])
-    for k in ("posterior", "mask", "evidence", "inputs")
-  }
+  keys = ("posterior", "mask", "evidence", "inputs")
+  cat = {k: np.concatenate([b[k] for b in host_batches]) for k in keys}
   lg = np.concatenate(logits)
   cat["posterior"] = pad_vocab(cat["posterior"], lg.shape[-1])
   mask, G = cat["mask"], int(cat["evidence"].max()) + 1
@@ -167,9 +157,6 @@ def fidelity(host_batches: list[dict], logits: list[np.ndarray], source) -> dict
     out[f"by_{g}"] = {k: np.asarray(fm[f"{k}_by_{g}"], np.float64) for k in names + ("count",)}
   out["positions"] = int(mask.sum())
   return out
-
-
-# --------------------------------------------------------------------------------- driver
 
 
 def _batches(source, cfg, mesh, n: int):
@@ -236,10 +223,9 @@ def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
 
 
 def evaluate_series(run_dir: str | os.PathLike, batches: int = 8, steps=None) -> list[dict]:
-  """One row per kept checkpoint and step 0 from the run's initialisation (the random-init
-  control), or one per step in `steps` (0: the initialisation): eval loss, KL, the papers' signatures (``series.signatures``), the
-  formation statistics (``series.formation``), the gated M, the attention's distance to the
-  last row's (docs/windtunnel_results.md, "The checkpoint series")."""
+  """A row per kept checkpoint and step 0 (the run's initialisation: the random-init control),
+  or per step in `steps`: eval loss, KL, :mod:`mhc_jax.geometry.series`' columns, the gated M,
+  attention's distance to the last row's (docs/windtunnel_results.md, "The checkpoint series")."""
   if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
     raise UsageError(f"--batches must be a positive integer, got {batches!r}")
   run = storage.path(run_dir)
@@ -311,12 +297,8 @@ def summary_lines(r: dict) -> list[str]:
   bits = []
   if "mean_abs_cos" in ko:
     x = "{mean_abs_cos:.3f} = {ratio_to_random:.2f} x random"
-    rh = ko.get("retrieval_head")
-    bits.append(
-      "keys (pre-RoPE) mean |cos| "
-      + x.format(**ko)
-      + (f" (retrieval head {x.format(**rh)})" if rh else "")
-    )
+    rh = f" (retrieval head {x.format(**ko['retrieval_head'])})" if "retrieval_head" in ko else ""
+    bits.append("keys (pre-RoPE) mean |cos| " + x.format(**ko) + rh)
   if "slope" in qk:
     bits.append(
       f"retrieval head L{qk['layer']}H{qk['head']} attn on target {qk['attn_on_target']:.2f}, "
@@ -341,15 +323,14 @@ def main(args) -> int:
     if steps and not all(x.strip().isdigit() for x in steps.split(",")):
       raise UsageError(f"--steps: expected comma-separated steps, got {steps!r}")
     rows = evaluate_series(run, args.batches, [int(x) for x in steps.split(",")] if steps else None)
-    storage.write_text_atomic(run / SERIES_CSV, pd.DataFrame(rows).to_csv(index=False))
-    cols = ["step", "kl_bits", "mae", "frame_ratio", "key_cos", "key_cos_null", "value_r_new_wp_z"]
     df = pd.DataFrame(rows)
+    storage.write_text_atomic(run / SERIES_CSV, df.to_csv(index=False))
+    cols = ["step", "kl_bits", "mae", "frame_ratio", "key_cos", "key_cos_null", "value_r_new_wp_z"]
     print(
       df[[c for c in cols + ["M_gated"] if c in df]].to_string(index=False, float_format="%.4f")
     )
-    print(
-      f"wrote {run / SERIES_CSV} ({len(rows)} rows: steps {', '.join(str(r['step']) for r in rows)})"
-    )
+    done = ", ".join(str(r["step"]) for r in rows)
+    print(f"wrote {run / SERIES_CSV} ({len(rows)} rows: steps {done})")
     return 0
   result = evaluate_run(run, getattr(args, "batches", 8))
   storage.write_json_atomic(run / "eval.json", result)

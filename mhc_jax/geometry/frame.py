@@ -30,10 +30,8 @@ def entropy_mae(logits, posterior, mask, hyp) -> dict:
   m = np.asarray(mask) > 0
   h_bayes = np.asarray(P.entropy_bits_pointwise(jnp.asarray(posterior)))[m]
   h_model = np.asarray(P.model_entropy_bits_pointwise(jnp.asarray(logits)[..., hyp]))[m]
-  return {
-    "mae": float(np.abs(h_model - h_bayes).mean()),
-    "mae_uniform": float(np.abs(np.log2(len(hyp)) - h_bayes).mean()),
-  }
+  mae = lambda h: float(np.abs(h - h_bayes).mean())
+  return {"mae": mae(h_model), "mae_uniform": mae(np.log2(len(hyp)))}
 
 
 def learned(kl: float, kl_uniform: float, factor: float = GATE_FACTOR) -> bool:
@@ -45,8 +43,7 @@ _GRAM_FNS: dict = {}
 
 
 def _gram_fn(model, hyp: tuple, layers: tuple, first: int, last: int):
-  """Jitted ``(params, tokens [B, T]) -> Gram [len(layers), T, C, C]`` (float32), one per model
-  and setting."""
+  """Jitted ``(params, tokens [B, T]) -> Gram [len(layers), T, C, C]`` (float32), cached."""
   key = (id(model), hyp, layers, first, last)
   if key in _GRAM_FNS:
     return _GRAM_FNS[key]
@@ -104,10 +101,8 @@ def orthonormal(directions) -> np.ndarray:
 def frame_overlap(grams, positions, frame, *, rank=FRAME_RANK, nulls=FRAME_NULLS, seed=0) -> dict:
   """Overlap of each J-space (top-`rank` eigenvectors of ``grams [K, T, C, C]`` at `positions`)
   with the span of `frame [k, C]`, against `nulls` random `rank`-dimensional subspaces. A
-  position with no Jacobian rows (no later target: a zero Gram) is left out, as theirs.
-
-  Returns ``ratio`` (mean overlap / null mean), ``overlap``, ``null_mean``, ``null_std``
-  (of one random subspace's overlap), ``ratio_by_layer [K]``."""
+  position with no Jacobian rows (no later target: a zero Gram) is left out, as theirs. ``ratio``:
+  mean overlap / null mean; ``null_std``: one random subspace's overlap's s.d."""
   W = orthonormal(frame)
   g = np.asarray(grams, np.float64)[:, np.asarray(positions)]
   g = g[:, np.einsum("kpcc->p", np.abs(g)) > 0]

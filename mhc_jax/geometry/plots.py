@@ -1,12 +1,9 @@
 """The papers' three geometry figures side by side for several runs, from their ``eval.json``.
 
-Reads only the ``probes.paper`` section ``mhc-jax eval`` writes (:mod:`mhc_jax.evaluate`), so it
-works on any mixer (multi-stream ones included) and on bijection and HMM runs alike. One column
-per run, three rows: the key orthogonality matrix (cosines between the hypothesis tokens' layer-0
-keys, heads concatenated), query-key alignment against evidence (per layer: the query's cosine
-with the matching earlier key minus the others', or the mean over earlier keys where no key
-repeats), and the last-layer value PCA coloured by the posterior entropy. ``score_rows`` gives
-the scores per run for a CSV. matplotlib is imported only inside ``draw``.
+Reads only the ``probes.paper`` section ``mhc-jax eval`` writes, so any mixer and task will do.
+A column per run; rows: the layer-0 token keys' cosine matrix, q-k alignment against evidence per
+layer, the last-layer value PCA coloured by the posterior entropy (docs/windtunnel_results.md).
+``score_rows`` gives the scores per run for a CSV; matplotlib is imported only inside ``draw``.
 """
 
 from __future__ import annotations
@@ -105,8 +102,7 @@ def draw(evals: dict[str, dict], path) -> None:
     p = paper_section(ev)
     ko, qk, vm = p["key_orthogonality"], p["qk_alignment"], p["value_manifold"]
     ax = axes[0, j]
-    cos = np.asarray(ko["cos_layer0"], np.float64)
-    im = ax.imshow(cos, vmin=-1, vmax=1, cmap="RdBu_r")
+    im = ax.imshow(np.asarray(ko["cos_layer0"], np.float64), vmin=-1, vmax=1, cmap="RdBu_r")
     l0 = ko["layer0"]
     ax.set_title(
       f"{name}\nlayer-0 token keys: |cos| {l0['mean_abs_cos']:.2f}/head\n"

@@ -80,21 +80,13 @@ def offdiag_abs_cos(x) -> float:
 def random_abs_cos(n: int, dim: int, *, draws: int, seed: int = 0, center=False) -> np.ndarray:
   """`offdiag_abs_cos` of `n` isotropic random directions in `dim` dimensions (centred when
   `center`), for each of `draws` seeded draws: what a probe reads when there is no structure."""
-  rng = np.random.default_rng(seed)
-
-  def one():
-    x = rng.standard_normal((n, dim))
-    return offdiag_abs_cos(x - x.mean(axis=0, keepdims=True) if center else x)
-
-  return np.array([one() for _ in range(draws)])
+  xs = np.random.default_rng(seed).standard_normal((draws, n, dim))
+  return np.array([offdiag_abs_cos(x - x.mean(axis=0, keepdims=True) if center else x) for x in xs])
 
 
 def key_orthogonality(keys, hypothesis_ids, *, center: bool = False) -> dict:
-  """How orthogonal the mean key directions of different hypotheses are, against chance.
-
-  keys [N, D], hypothesis_ids [N] int (globally centred first when `center`). Returns
-  `hypotheses`, `cos [H, H]`, `mean_abs_cos`, `max_abs_cos`, `within_cos`,
-  `random_mean_abs_cos` and `ratio_to_random` (docs/windtunnel_results.md)."""
+  """How orthogonal the mean key directions of different hypotheses are, against chance: keys
+  [N, D], hypothesis_ids [N] int (centred first when `center`); docs/windtunnel_results.md."""
   keys = np.asarray(keys, np.float64)
   ids = np.asarray(hypothesis_ids)
   if keys.ndim != 2 or ids.shape != keys.shape[:1]:
@@ -125,10 +117,8 @@ def key_orthogonality(keys, hypothesis_ids, *, center: bool = False) -> dict:
 
 def qk_alignment_by_evidence(q, k, evidence, num_groups: int | None = None, distance=None) -> dict:
   """Cosine between each query `q [N, D]` and its target key `k [N, D]` against `evidence [N]`,
-  the slope taken within groups of equal query-target `distance [N]` when given.
-
-  Returns `cos`, `alignment [G]`, `count [G]`, `slope_raw`, `slope`, `alignment_adjusted [G]`,
-  `distance_groups` (docs/windtunnel_results.md)."""
+  the slope taken within groups of equal query-target `distance [N]` when given (fields:
+  docs/windtunnel_results.md)."""
   q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
   ev = np.asarray(evidence).astype(np.int64)
   if q.shape != k.shape or q.ndim != 2 or ev.shape != q.shape[:1]:
@@ -191,9 +181,7 @@ def token_key_orthogonality(keys, *, draws: int = 200, seed: int = 0, center=Fal
   hypothesis tokens' embeddings alone, uncentred, against V random directions in D dimensions.
   `center`: the keys less their mean over the V tokens, against centred random directions (a
   shared offset makes uncentred keys look aligned while their differences may be orthogonal).
-
-  Also `mean_signed_cos_by_head`, `z`, `cos [V, V]` (heads concatenated),
-  `concat_mean_abs_cos` and `concat_random_mean_abs_cos` (docs/windtunnel_results.md)."""
+  Fields: docs/windtunnel_results.md."""
   k = np.asarray(keys, np.float64)
   if k.ndim != 3 or k.shape[0] < 2:
     raise ValueError(f"need keys [V >= 2, H, D], got {k.shape}")
@@ -238,6 +226,12 @@ def _strata_perm(rng, x: np.ndarray, strata) -> np.ndarray:
   return out
 
 
+def _perm_null(x: np.ndarray, st, stat, n: int, seed: int) -> np.ndarray:
+  """``stat`` of ``x`` permuted within strata ``st`` and partialled out, for ``n`` seeded draws."""
+  rng = np.random.default_rng(seed)
+  return np.array([stat(partial_out(_strata_perm(rng, x, st), strata=st)) for _ in range(n)])
+
+
 def _null_summary(stat: float, null: np.ndarray) -> dict:
   sd = float(null.std())
   return {
@@ -261,10 +255,7 @@ def evidence_slope(
   st = None if strata is None else np.asarray(strata)
   y_res = partial_out(y, strata=st)
   s = _slope(partial_out(e, strata=st), y_res)
-  rng = np.random.default_rng(seed)
-  null = np.array(
-    [_slope(partial_out(_strata_perm(rng, e, st), strata=st), y_res) for _ in range(permutations)]
-  )
+  null = _perm_null(e, st, lambda p: _slope(p, y_res), permutations, seed)
   return {"slope": s, "points": int(len(y)), **_null_summary(s, null)}
 
 
@@ -273,12 +264,7 @@ def value_manifold(
 ) -> dict:
   """Paper III's value manifold (Sec. 4.2): PCA of `values [N, D]` with every coordinate
   standardised (after demeaning within `strata`), and |r(PC1, entropy)| against the entropy
-  permuted (within strata; `permutations=0`: no null keys).
-
-  Returns `explained_variance_ratio [k]`, `pc1_variance`, `pc1_variance_random`,
-  `components [k, D]`, `projections [N, k]`, `corr_entropy [k]`, `corr_pc1_entropy`,
-  `spearman_pc1_entropy`, `abs_corr_pc1_entropy`, `entropy_std`, `points`, and `null_mean`,
-  `null_std`, `z`, `p` (docs/windtunnel_results.md)."""
+  permuted (within strata; `permutations=0`: no null keys). Fields: docs/windtunnel_results.md."""
   X = np.asarray(values, np.float64)
   h = np.asarray(entropy, np.float64)
   if X.ndim != 2 or h.shape != X.shape[:1] or len(h) < 3:
@@ -290,13 +276,7 @@ def value_manifold(
   hc = partial_out(h, strata=st)
   corr = np.array([_pearson(proj[:, i], hc) for i in range(kk)])
   r = float(corr[0])
-  rng = np.random.default_rng(seed)
-  null = np.array(
-    [
-      abs(_pearson(proj[:, 0], partial_out(_strata_perm(rng, h, st), strata=st)))
-      for _ in range(permutations)
-    ]
-  )
+  null = _perm_null(h, st, lambda p: abs(_pearson(proj[:, 0], p)), permutations, seed)
   nulls = _null_summary(abs(r), null) if permutations > 0 else {}
   noise = np.random.default_rng(seed + 1).standard_normal(X.shape)
   _, evr_rand, _ = _pca(noise, strata=st, standardise=standardise)

@@ -129,13 +129,8 @@ def qk_alignment_probe(it: dict, tgt: np.ndarray, evidence: np.ndarray, G: int) 
   mean_on = on_target.mean(-1)
   layer, head = np.unravel_index(int(np.argmax(mean_on)), mean_on.shape)
   ev = evidence[bi, ti]
-
-  def align(q, k, **kw):
-    return probes.qk_alignment_by_evidence(
-      it[q][layer][bi, ti, head], it[k][layer][bi, si, head], ev, num_groups=G, **kw
-    )
-
-  r = align("q_pre", "k_pre", distance=ti - si)
+  q, k = it["q_pre"][layer][bi, ti, head], it["k_pre"][layer][bi, si, head]
+  r = probes.qk_alignment_by_evidence(q, k, ev, num_groups=G, distance=ti - si)
   a = on_target[layer, head]
   return {
     "reads": "q and k before RoPE",
@@ -158,15 +153,10 @@ def qk_alignment_probe(it: dict, tgt: np.ndarray, evidence: np.ndarray, G: int) 
 
 def pca_probe(stream: np.ndarray, positions, entropy, seed: int = 0) -> dict:
   """PCA of the residual stream at ``positions`` vs the entropy, position partialled out."""
-  rng = np.random.default_rng(seed)
-
-  def subsample(bi, ti):
-    if len(bi) > PCA_MAX_POINTS:
-      sel = np.sort(rng.choice(len(bi), PCA_MAX_POINTS, replace=False))
-      return bi[sel], ti[sel]
-    return bi, ti
-
-  bi, ti = subsample(*positions)
+  bi, ti = positions
+  if len(bi) > PCA_MAX_POINTS:
+    sel = np.sort(np.random.default_rng(seed).choice(len(bi), PCA_MAX_POINTS, replace=False))
+    bi, ti = bi[sel], ti[sel]
   h = entropy[bi, ti]
   if len(bi) < 3 or np.std(probes.partial_out(h, strata=ti)) < 1e-9:
     return {
@@ -174,7 +164,7 @@ def pca_probe(stream: np.ndarray, positions, entropy, seed: int = 0) -> dict:
     }
   per_layer = [probes.pca_vs_entropy(s[bi, ti].sum(axis=-2), h, k=3, strata=ti) for s in stream]
   last = per_layer[-1]
-  out = {
+  return {
     "controls": CONTROLS["pca_entropy"],
     "layer": stream.shape[0] - 1,
     "points": int(len(bi)),
@@ -187,7 +177,6 @@ def pca_probe(stream: np.ndarray, positions, entropy, seed: int = 0) -> dict:
     ],
     "pc1_variance_by_layer": [float(r["explained_variance_ratio"][0]) for r in per_layer],
   }
-  return out
 
 
 def probe_arrays(cfg, params, inter_fn, host_batches, dev_batches):
@@ -284,12 +273,10 @@ def key_orthogonality_paper(cfg, source, params) -> dict:
   """Paper I's token keys per layer and Paper III's W_K columns, against random directions
   (HMM: the observation symbols and levels; hidden states have no token of their own)."""
   ap = attention_params(params, cfg.model.depth)
-  if cfg.data.task == "bijection":
-    toks, what = np.arange(source.n_symbols), "the key symbols"
-  else:
-    toks = np.arange(source.level_offset + source.n_levels)
-    what = "observation symbols and levels"
-  keys = token_keys(ap, toks)
+  bij = cfg.data.task == "bijection"
+  what = "the key symbols" if bij else "observation symbols and levels"
+  n = source.n_symbols if bij else source.level_offset + source.n_levels
+  keys = token_keys(ap, np.arange(n))
   tok = [probes.token_key_orthogonality(k) for k in keys]
   centred = probes.token_key_orthogonality(keys[0], center=True)
   wk = [probes.weight_key_orthogonality(w) for w in ap["key"]]
@@ -400,25 +387,26 @@ def value_manifold_paper(cfg, source, it: dict, hb: dict, entropy, seed: int = 0
   return out
 
 
-def checkpoint_precision(logits, it: dict, hb: dict) -> dict:
-  """|r(PC1 of last-layer values, entropy)| and KL at one checkpoint (frame-precision probe)."""
-  mask = hb["mask"]
+def checkpoint_probes(depth: int, params, logits_fn, inter, restore, steps, hb, db) -> dict:
+  """``frame_precision`` over the kept checkpoints (3+): does attention settle before the value
+  manifold's |r(PC1, entropy)| and the KL? ``logits_fn(params, batch)`` and ``inter(params,
+  tokens)`` read the model, ``restore(step)`` the checkpoints before the last (``params``)."""
+  if len(steps) < 3:
+    return {"skipped": "needs 3+ checkpoints"}
+  mask, post = hb["mask"], hb["posterior"]
   bi, ti = np.nonzero(mask > 0)
-  h = np.asarray(P.entropy_bits_pointwise(hb["posterior"]))[bi, ti]
-  X = it["value"][-1].reshape(mask.shape + (-1,))[bi, ti]
-  vm = probes.value_manifold(X, h, permutations=0)
-  post = hb["posterior"]
-  post = np.pad(post, [(0, 0), (0, 0), (0, logits.shape[-1] - post.shape[-1])])
-  kl = np.asarray(P.kl_bits_pointwise(post, logits))[bi, ti]
-  return {"value_abs_corr": vm["abs_corr_pc1_entropy"], "kl_bits": float(kl.mean())}
-
-
-def frame_precision_probe(attn_series: list[np.ndarray], prec: list[dict], steps) -> dict:
-  """Does attention settle before the value manifold and the KL? (PAPER_DEFINITIONS)"""
-  final = attn_series[-1]
-  fd = np.array([0.5 * np.abs(a - final).sum(-1).mean() for a in attn_series])
-  corr = [p["value_abs_corr"] for p in prec]
-  kl = [p["kl_bits"] for p in prec]
+  h = np.asarray(P.entropy_bits_pointwise(post))[bi, ti]
+  attn, corr, kl = [], [], []
+  for s in steps:
+    p = params if s == steps[-1] else restore(s)
+    it = stacked_intermediates(inter(p, db["inputs"]), depth)
+    attn.append(it["attn"])
+    logits = logits_fn(p, db)
+    X = it["value"][-1].reshape(mask.shape + (-1,))[bi, ti]
+    corr.append(probes.value_manifold(X, h, permutations=0)["abs_corr_pc1_entropy"])
+    padded = np.pad(post, [(0, 0), (0, 0), (0, logits.shape[-1] - post.shape[-1])])
+    kl.append(float(np.asarray(P.kl_bits_pointwise(padded, logits))[bi, ti].mean()))
+  fd = np.array([0.5 * np.abs(a - attn[-1]).sum(-1).mean() for a in attn])
   by_corr = probes.frame_precision(steps, fd, corr)
   by_kl = probes.frame_precision(steps, fd, -np.log10(np.maximum(kl, 1e-6)))
   return {
@@ -433,18 +421,3 @@ def frame_precision_probe(attn_series: list[np.ndarray], prec: list[dict], steps
     "frame_before_manifold": by_corr["frame_first"],
     "frame_before_kl": by_kl["frame_first"],
   }
-
-
-def checkpoint_probes(depth: int, params, logits_fn, inter, restore, steps, hb, db) -> dict:
-  """``frame_precision`` over the kept checkpoints (3+); ``logits_fn(params, batch)`` and
-  ``inter(params, tokens)`` read the model, ``restore(step)`` the checkpoints before the last
-  (whose ``params`` are given)."""
-  if len(steps) < 3:
-    return {"skipped": "needs 3+ checkpoints"}
-  attn_s, prec = [], []
-  for s in steps:
-    p = params if s == steps[-1] else restore(s)
-    it = stacked_intermediates(inter(p, db["inputs"]), depth)
-    attn_s.append(it["attn"])
-    prec.append(checkpoint_precision(logits_fn(p, db), it, hb))
-  return frame_precision_probe(attn_s, prec, steps)
