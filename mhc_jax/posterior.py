@@ -150,13 +150,9 @@ def soft_cross_entropy(posterior, logits, mask) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("n_bins", "num_groups"))
 def fidelity_metrics(batch: dict, logits: jax.Array, *, n_bins: int = 10, num_groups=None) -> dict:
-  """All fidelity metrics for a wind-tunnel batch (needs `posterior` and `mask`).
-
-  Scalars: `kl_bits`, `entropy_gap_bits`, `accuracy`, `ece`, `posterior_entropy_bits`,
-  `model_entropy_bits`. Curves: `<metric>_by_position [T]`, and, when the batch has
-  `evidence`, `<metric>_by_evidence [num_groups]` (default T + 1), with `count_by_position`,
-  `count_by_evidence`. Empty groups are NaN.
-  """
+  """All fidelity metrics for a wind-tunnel batch (needs `posterior` and `mask`): the scalars,
+  `<metric>_by_position [T]` and, where the batch has `evidence`, `<metric>_by_evidence
+  [num_groups]` (default T + 1), with `count_by_*`; empty groups are NaN."""
   p, mask = batch["posterior"], batch["mask"]
   T = mask.shape[1]
   point = {
