@@ -421,3 +421,20 @@ def test_horizon_exponents_and_ordering_by_hand():
   versus = horizon.map_vs_long(runs).set_index(["arm", "lr"])
   assert versus.loc[("fast", 0.032), "t2400"] == "no_training/no_training"
   assert not versus.loc[("fast", 0.032), "agree"] and versus.loc[("slow", 0.032), "agree"]
+
+
+def test_horizon_tables_recompute_from_runs_csv(tmp_path):
+  """docs/studies/horizon: every table recomputed from the committed runs.csv (partial: the
+  arms and lengths that have run, each cell with both seeds)."""
+  here = STUDIES / "horizon"
+  assert _analysis("horizon").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
+  for name in ("best_lr", "exponents", "ordering", "map_vs_long", "ground_lost"):
+    pd.testing.assert_frame_equal(
+      pd.read_csv(tmp_path / f"{name}.csv"), pd.read_csv(here / f"{name}.csv"), rtol=1e-9
+    )
+  runs = pd.read_csv(here / "runs.csv")
+  need = {"arm", "parametrization", "width", "depth", "steps", "warmup_steps", "clip", "lr"}
+  need |= {"seed", "status", "loss_init", "eval_loss", "baseline", "failure"}
+  assert need <= set(runs.columns) and (runs["parametrization"] == "completep").all()
+  cells = runs.groupby(["arm", "length", "lr"])["seed"]
+  assert cells.apply(lambda v: sorted(v) == [0, 1]).all()
