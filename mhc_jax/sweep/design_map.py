@@ -22,7 +22,7 @@ REFERENCE = "residual,mhc,hc"
 REGIME = """data.task=text data.options.val_fraction=0.05 data.seq_len=64 data.batch_size=8
 data.eval_batches=8 model.width=32 model.heads=4 optim.clip=0 optim.warmup_steps=15 train.steps=150
 train.log_every=1 train.diag_every=10 train.eval_every=150 train.ckpt_every=0""".split()
-#: The zoo map's rows by family (docs/studies/zoo_map/analysis.py; the test keeps them equal).
+#: The zoo map's rows by family (docs/studies/zoo_map/analysis.py reads them from here).
 FAMILIES = {
   "pre-LN, one stream": ["residual", "residual_qk", "value_residual", "laurel", "ortho"],
   "norm placement": ["post_ln", "deepnorm", "peri_ln"],

@@ -15,17 +15,10 @@ from pathlib import Path
 
 import pandas as pd
 
-from mhc_jax.sweep import study
+from mhc_jax.sweep import design_map, study
 
 HERE = Path(__file__).resolve().parent
-FAMILIES = {
-  "pre-LN, one stream": ["residual", "residual_qk", "value_residual", "laurel", "ortho"],
-  "norm placement": ["post_ln", "deepnorm", "peri_ln"],
-  "sums over depth": ["denseformer", "attnres"],
-  "streams, unconstrained": ["hc", "hc_qk", "frac"],
-  "streams, doubly stochastic": ["mhc", "mhc_uniform", "mhc_lite", "kromhc"],
-  "streams, fixed": ["mhc_identity"],
-}
+FAMILIES = design_map.FAMILIES  # the map's rows by family, shared with `mhc-jax map`
 REFS = ("residual", "mhc")
 
 
