@@ -108,9 +108,9 @@ def _g(v: float, fmt: str = "g") -> str:
 
 
 def _edge(r) -> str:
-  """The largest working lr as the zoo's README writes it (>= x: nothing failed up the grid)."""
-  open_top = not math.isfinite(r.first_failing_lr) and math.isfinite(r.largest_working_lr)
-  return (">= " if open_top else "") + _g(r.largest_working_lr)
+  """The largest working lr as the zoo's README writes it (>= x: nothing failed up the grid,
+  lrmap.lr_table's ``edge_censored``)."""
+  return (">= " if r.edge_censored else "") + _g(r.largest_working_lr)
 
 
 def table(tab: pd.DataFrame) -> pd.DataFrame:

@@ -46,8 +46,9 @@ def from_sweep(sweep) -> pd.DataFrame:
     [r["eval/loss"] for r in logs.read_jsonl(root / run / "metrics.jsonl") if "eval/loss" in r]
     for run in runs["run"]
   ]
+  cfgs = [logs.read_config(root / run) for run in runs["run"]]
   return runs.assign(
-    parametrization="completep",
+    parametrization=[c.get("model.parametrization") for c in cfgs],
     length=runs["run"].str.extract(r"length=([^,]+)", expand=False),
     steps=runs["train.steps"],
     eval_min=[min(e) if e else math.nan for e in evals],
