@@ -84,10 +84,14 @@ def cmd_train(args) -> int:
   from mhc_jax.train import dist
   from mhc_jax.train.config import config_hash
   from mhc_jax.train.loop import SingleProgram, prepare, train
+  from mhc_jax.train.optim import peak_lr
 
   cfg = _load(args)
   cfg = dist.init_distributed(cfg, args)
   setup = prepare(cfg)
+  if (o := cfg.optim).base_steps:  # the lr used is not optim.lr (docs/parametrization.md)
+    t, b, e = cfg.train.steps, o.base_steps, o.steps_exponent
+    print(f"peak lr {peak_lr(o, t):.4g} = optim.lr {o.lr:g} x ({t} / {b} steps)^-{e:g}")
   out = args.out or os.fspath(rundir.default_run_dir(setup.cfg.name, config_hash(setup.cfg)))
   out = storage.path(dist.broadcast_str(os.fspath(out)))  # process 0's default directory
   if args.dry_run:

@@ -1,6 +1,8 @@
 """Optimiser: schedules, the weight-decay mask (boxed and unboxed trees), AdamW, clipping,
 independent weight decay."""
 
+from pathlib import Path
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -9,7 +11,9 @@ import optax
 import pytest
 
 from mhc_jax.train.config import OptimConfig
-from mhc_jax.train.optim import decay_mask, decays, make_optimizer, make_schedule
+from mhc_jax.train.optim import decay_mask, decays, make_optimizer, make_schedule, peak_lr
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _opt(**kw):
@@ -237,3 +241,69 @@ def test_lr_population_vmap():
   for i, lr in enumerate([1e-3, 1e-2]):
     single = jax.jit(one)(lr)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a[i], b, rtol=1e-6), pop, single)
+
+
+# ---------------------------------------------------------------------------- training length
+
+
+def _jaxpr(opt, steps=2400):
+  """The step -> lr program of a population member (traced lr)."""
+  return jax.make_jaxpr(lambda lr, t: make_optimizer(opt, steps, lr=lr)[1](t))(0.01, 5).jaxpr
+
+
+def test_base_steps_unset_changes_nothing():
+  """optim.base_steps unset: the lr as set, the same traced program, the hash of before the key
+  existed (every earlier run directory and sweep resume); steps_exponent then is ignored."""
+  from mhc_jax.train.config import Config, config_hash, load_config
+
+  assert config_hash(Config()) == "6b19465d1c"  # tests/test_config.py HASHES
+  quick = load_config(ROOT / "configs" / "quickstart.yaml")
+  bent = load_config(ROOT / "configs" / "quickstart.yaml", ["optim.steps_exponent=0.5"])
+  assert config_hash(bent) == config_hash(quick)
+  assert config_hash(Config()) != config_hash(load_config(None, ["optim.base_steps=200"]))
+  plain, ignored = _opt(), _opt(steps_exponent=0.5)
+  assert str(_jaxpr(ignored)) == str(_jaxpr(plain)) != str(_jaxpr(_opt(base_steps=150)))
+  assert len(_jaxpr(_opt(base_steps=150)).eqns) == len(_jaxpr(plain).eqns) + 1  # one multiply
+  a, b = make_schedule(plain, 2400), make_optimizer(ignored, 2400)[1]
+  np.testing.assert_array_equal(
+    [a(t) for t in range(0, 2500, 50)], [b(t) for t in range(0, 2500, 50)]
+  )
+  assert float(a(10)) == pytest.approx(1e-2) == float(b(10))
+
+
+@pytest.mark.parametrize("exponent,peak", [(0.25, 0.016), (0.5, 0.008), (0.0, 0.032)])
+def test_base_steps_set_peak_is_the_formula(exponent, peak):
+  """lr tuned at base_steps 150, trained 2400 steps: the peak (end of warm-up) is
+  lr (2400 / 150)^-exponent, for the single run's schedule and a population's traced lr; the
+  decay ends at min_lr_ratio of that peak; the CLI prints it."""
+  opt = _opt(lr=0.032, warmup_steps=240, base_steps=150, steps_exponent=exponent)
+  assert peak_lr(opt, 2400) == pytest.approx(0.032 * 16**-exponent) == pytest.approx(peak)
+  tx, schedule = make_optimizer(opt, 2400)
+  assert float(schedule(240)) == pytest.approx(peak, rel=1e-6)
+  assert float(schedule(2400)) == pytest.approx(0.1 * peak, rel=1e-6)
+  member = jax.jit(lambda lr: make_optimizer(opt, 2400, lr=lr)[1](240))
+  assert float(member(jnp.float32(0.064))) == pytest.approx(2 * peak, rel=1e-6)
+  assert peak_lr(opt, 150) == 0.032  # at the length it was tuned at: unchanged
+
+
+def test_base_steps_cli_prints_the_peak_and_names_bad_input(tmp_path, capsys):
+  from mhc_jax import cli
+
+  debug = str(ROOT / "configs" / "debug.yaml")
+  args = ["train", "--config", debug, "--dry-run", "--out", str(tmp_path / "ok"), "--set"]
+  assert cli.main([*args, "optim.lr=0.032", "optim.base_steps=150", "train.steps=2400"]) == 0
+  assert "peak lr 0.016 = optim.lr 0.032 x (2400 / 150 steps)^-0.25" in capsys.readouterr().out
+  bad = {
+    "optim.base_steps=0": "optim.base_steps: must be >= 1, got 0",
+    "optim.base_steps=-150": "optim.base_steps: must be >= 1, got -150",
+    "optim.base_steps=150.5": "optim.base_steps: expected int or null, got float 150.5",
+    "optim.steps_exponent=-0.25": "optim.steps_exponent: must be >= 0, got -0.25",
+    "optim.steps_exponent=.inf": "optim.steps_exponent: expected a finite number, got inf",
+    "optim.steps_exponent=.nan": "optim.steps_exponent: expected a finite number, got nan",
+  }
+  for setting, message in bad.items():
+    out = tmp_path / "bad"
+    assert cli.main(["train", "--config", debug, "--out", str(out), "--set", setting]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and message in err, (setting, err)
+    assert not out.exists()

@@ -298,6 +298,9 @@ class OptimConfig:
   weight_decay: float = Field(0.1, ge=0)
   independent_wd: bool = False  # True: decay per step = weight_decay * lr(t)/lr
   clip: Optional[float] = Field(1.0, ge=0)  # global-norm clip; 0 or null turns it off
+  # set: lr was tuned at base_steps; peak = lr (train.steps / base_steps)^-steps_exponent
+  base_steps: int | None = Field(None, ge=1)
+  steps_exponent: float = Field(0.25, ge=0)  # measured: docs/studies/horizon (residual, beta_opt)
 
   @model_validator(mode="after")
   def _decay(self):
@@ -559,6 +562,8 @@ def config_hash(cfg: Config, length: int = 10) -> str:
       d["model"].pop(k)
   elif d["model"]["base_head_dim"] is None:  # unset: hashes as before the key existed
     d["model"].pop("base_head_dim")
+  if d["optim"]["base_steps"] is None:  # unset: the lr as set, hashed as before the keys existed
+    del d["optim"]["base_steps"], d["optim"]["steps_exponent"]
   for section, keys in _RETIRED.items():
     d[section].update(keys)
   blob = json.dumps(d, sort_keys=True, separators=(",", ":"))

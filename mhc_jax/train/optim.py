@@ -13,21 +13,30 @@ import optax
 from mhc_jax import parametrization as mp
 from mhc_jax.train.config import ModelConfig, OptimConfig
 
-__all__ = ["make_schedule", "decay_mask", "decays", "make_optimizer"]
+__all__ = ["peak_lr", "make_schedule", "decay_mask", "decays", "make_optimizer"]
 
 # Leaf names (last dict key on the path) that get weight decay; everything else does not.
 _DECAY_NAMES = ("kernel", "embedding")
 _DECAY_PREFIXES = ("w_", "phi")
 
 
+def peak_lr(optim: OptimConfig, total_steps: int, lr: Any = None) -> Any:
+  """`lr` (default optim.lr), tuned at optim.base_steps when set and then transferred to
+  `total_steps`: ``lr (total_steps / base_steps)^-steps_exponent`` (docs/parametrization.md)."""
+  lr = optim.lr if lr is None else lr
+  if optim.base_steps is None:
+    return lr
+  return lr * (total_steps / optim.base_steps) ** -optim.steps_exponent
+
+
 def make_schedule(optim: OptimConfig, total_steps: int, *, lr: Any = None) -> optax.Schedule:
   """Linear warm-up 0 -> lr over `optim.warmup_steps`, then to min_lr_ratio*lr at `total_steps`
   by a cosine or a straight line, or constant lr. Steps past the end hold the final value.
 
-  `lr` overrides optim.lr and may be a traced array (a vmapped population of learning rates).
-  Value at step 0 is 0 when there is a warm-up (the first update is a no-op), lr otherwise.
+  `lr` overrides optim.lr and may be a traced array (a vmapped population of learning rates);
+  either is the peak after :func:`peak_lr`. Value at step 0 is 0 when there is a warm-up.
   """
-  peak = optim.lr if lr is None else lr
+  peak = peak_lr(optim, total_steps, lr)
   warmup = int(optim.warmup_steps)
   decay_len = max(int(total_steps) - warmup, 1)
   end = optim.min_lr_ratio * peak
@@ -82,26 +91,26 @@ def make_optimizer(
   independent_wd=False (optax/PyTorch AdamW):  p -= lr(t) * (adam + wd * p)
   independent_wd=True:                          p -= lr(t) * (adam + (wd/lr) * p)
 
-  `lr` overrides optim.lr and may be a traced array (a population of learning rates).
-  `model.parametrization` mup/completep: per role, Adam with its eps, then its lr and weight-decay
-  multipliers (mhc_jax.parametrization.scale_by_role); sp (or no model): the chain above.
+  `lr` overrides optim.lr and may be a traced array (a population of learning rates); `lr` above
+  is the peak, :func:`peak_lr`. `model.parametrization` mup/completep: per role, Adam with its
+  eps, then its lr and weight-decay multipliers (mhc_jax.parametrization.scale_by_role); sp (or
+  no model): the chain above.
   """
-  peak = optim.lr if lr is None else lr
-  wd = optim.weight_decay
-  schedule = make_schedule(optim, total_steps, lr=peak)
+  wd = optim.weight_decay / (peak_lr(optim, total_steps, lr) if optim.independent_wd else 1.0)
+  schedule = make_schedule(optim, total_steps, lr=lr)
   parts = []
   if optim.clip:
     parts.append(optax.clip_by_global_norm(optim.clip))
   if model is not None and model.parametrization != "sp":
     adam = dict(b1=optim.b1, b2=optim.b2, eps=optim.eps)
     parts += [
-      mp.scale_by_role(model, adam, wd / peak if optim.independent_wd else wd, decay_mask),
+      mp.scale_by_role(model, adam, wd, decay_mask),
       optax.scale_by_learning_rate(schedule),
     ]
   elif optim.independent_wd:
     parts += [
       optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
-      optax.add_decayed_weights(wd / peak, mask=decay_mask),
+      optax.add_decayed_weights(wd, mask=decay_mask),
       optax.scale_by_learning_rate(schedule),
     ]
   else:
