@@ -423,12 +423,34 @@ def test_horizon_exponents_and_ordering_by_hand():
   assert not versus.loc[("fast", 0.032), "agree"] and versus.loc[("slow", 0.032), "agree"]
 
 
+def test_horizon_length_transfer_by_hand():
+  """t150's best lr carried to a longer length by lr (T / 150)^-beta lands on the grid lr
+  nearest in log space; a prediction at two grid lrs' log-midpoint takes the worse of the two
+  (for 'fast' the upper, for 'slow' the lower); the regret is its seed mean against the best."""
+  horizon = _analysis("horizon")
+  runs = _planted_horizon()
+  tab = horizon.length_transfer(horizon.best_table(runs), runs)
+  tab = tab.set_index(["arm", "length", "beta"])
+  assert len(tab) == 8 and set(tab.index.get_level_values("length")) == {"t600", "t2400"}
+  tie = tab.loc[("fast", "t600", 0.25)]  # 0.032 / 4^0.25 = 0.0226, between 0.016 and 0.032
+  assert tie["predicted_lr"] == pytest.approx(0.032 / 2**0.5) and tie["tie_took_worse"]
+  assert tie["grid_lr"] == 0.032 and tie["regret"] == pytest.approx(0.1)
+  assert tab.loc[("slow", "t600", 0.25), "grid_lr"] == 0.016  # slow's worse neighbour
+  exact = tab.loc[("fast", "t2400", 0.5)]  # fast's own beta: the best lr, no regret
+  assert exact["grid_lr"] == 0.008 and not exact["tie_took_worse"]
+  assert exact["regret"] == pytest.approx(0) and exact["regret_small"]
+  assert exact["regret_kept"] == pytest.approx(1.495)  # 0.032 does not train at 2400 steps
+  assert tab.loc[("fast", "t2400", 0.25), "regret"] == pytest.approx(0.1)
+  assert tab.loc[("slow", "t2400", 0.25), "regret_kept"] == pytest.approx(0)
+
+
 def test_horizon_tables_recompute_from_runs_csv(tmp_path):
   """docs/studies/horizon: every table recomputed from the committed runs.csv (partial: the
   arms and lengths that have run, each cell with both seeds)."""
   here = STUDIES / "horizon"
   assert _analysis("horizon").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
-  for name in ("best_lr", "exponents", "ordering", "map_vs_long", "ground_lost"):
+  tables = ("best_lr", "exponents", "ordering", "map_vs_long", "ground_lost", "length_transfer")
+  for name in tables:
     pd.testing.assert_frame_equal(
       pd.read_csv(tmp_path / f"{name}.csv"), pd.read_csv(here / f"{name}.csv"), rtol=1e-9
     )

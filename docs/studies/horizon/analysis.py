@@ -12,8 +12,11 @@ failing lr and LR sensitivity, each seed's best and largest working lr, and whet
 the edge sits at a grid end), ``exponents.csv`` (per arm: beta in lr ~ steps^-beta over the
 clipped lengths, for the best lr and the edge, seed-mean curve and each seed), ``ordering.csv``
 (each pair of arms, stress150 against t2400), ``map_vs_long.csv`` (per arm and lr: the failure
-labels at stress150 and t2400), ``ground_lost.csv`` and ``horizon.png`` (loss against lr, a
-panel per arm, a line per length).
+labels at stress150 and t2400), ``ground_lost.csv``, ``length_transfer.csv`` (per arm, longer
+clipped length and beta: t150's best lr carried to that length by ``optim.base_steps``'s rule
+``lr (T / 150)^-beta``, beta the config default and Complete(d)P's 0.5, the grid lr that stands
+for it, the seed-mean loss there, the regret against that length's best, and the regret of
+keeping t150's lr) and ``horizon.png`` (loss against lr, a panel per arm, a line per length).
 """
 
 from __future__ import annotations
@@ -26,8 +29,10 @@ import numpy as np
 import pandas as pd
 
 from mhc_jax import logs
-from mhc_jax.sweep import lrmap, plots, study
+from mhc_jax.sweep import lrmap, plots, stats, study
 from mhc_jax.sweep.report import md_table
+from mhc_jax.train.config import OptimConfig
+from mhc_jax.train.optim import peak_lr
 
 HERE = Path(__file__).resolve().parent
 ARMS = ["residual", "hc", "mhc"]
@@ -36,6 +41,9 @@ COLUMNS = ["arm", "parametrization", "width", "depth", "length", "steps", "warmu
 COLUMNS += ["lr", "seed", "status", "loss_init", "eval_loss", "eval_min", "ground_lost"]
 COLUMNS += ["baseline", "diverged", "failure", "amax_fwd_composite_tok_mean_max"]
 LOST = 0.05  # nats: a working run that ended this far above its own best lost ground
+BASE = "t150"  # the length an lr is tuned at (length_transfer.csv)
+BETAS = (OptimConfig().steps_exponent, 0.5)  # optim.steps_exponent's default; Complete(d)P's
+TIE, REGRET = 0.01, 0.05  # within 1% of two grid lrs' log-midpoint: the worse; regret in nats
 
 
 def from_sweep(sweep) -> pd.DataFrame:
@@ -148,6 +156,44 @@ def ground_lost(runs: pd.DataFrame) -> pd.DataFrame:
   return g.agg(ground_lost=("ground_lost", "mean"), n_lost=("_lost", "sum")).reset_index()
 
 
+def _grid_lr(pred: float, mean: pd.Series) -> tuple[float, bool]:
+  """The grid lr (``mean``'s index, sorted) nearest ``pred`` in log space, and whether ``pred``
+  fell within :data:`TIE` of the log-midpoint of two: then the one with the higher seed mean."""
+  grid = mean.index.to_numpy()
+  i = int(np.clip(np.searchsorted(grid, pred), 1, len(grid) - 1))
+  lo, hi = grid[i - 1], grid[i]
+  if abs(pred / math.sqrt(lo * hi) - 1) <= TIE:
+    worse = mean.fillna(math.inf)
+    return float(lo if worse[lo] >= worse[hi] else hi), True
+  return float(grid[np.argmin(np.abs(np.log(grid / pred)))]), False
+
+
+def length_transfer(best: pd.DataFrame, runs: pd.DataFrame) -> pd.DataFrame:
+  """length_transfer.csv (module doc): one row per arm, length longer than :data:`BASE` in
+  :data:`LONG` with data, and beta in :data:`BETAS`."""
+  steps, rows = runs.groupby("length")["steps"].first(), []
+  at = best.set_index(["arm", "length"])
+  for (arm, length), b in at.iterrows():
+    if length not in LONG or steps[length] <= steps[BASE] or (arm, BASE) not in at.index:
+      continue
+    g = runs[(runs["arm"] == arm) & (runs["length"] == length)]
+    mean = g.groupby("lr")[lrmap.ENDPOINT].agg(lambda y: stats.mean_ci(y)[0]).sort_index()
+    lr0 = at.loc[(arm, BASE), "best_lr"]
+    kept = mean.get(lr0, math.nan) - b["loss_at_best"]
+    for beta in BETAS:
+      opt = OptimConfig(lr=lr0, base_steps=int(steps[BASE]), steps_exponent=beta)
+      pred = peak_lr(opt, int(steps[length]))
+      lr, tie = _grid_lr(pred, mean)
+      regret = mean[lr] - b["loss_at_best"]
+      rows.append(
+        dict(arm=arm, length=length, steps=steps[length], beta=beta, base_best_lr=lr0)
+        | dict(predicted_lr=pred, grid_lr=lr, tie_took_worse=tie, loss_at_grid_lr=mean[lr])
+        | dict(best_lr=b["best_lr"], loss_at_best=b["loss_at_best"], regret=regret)
+        | dict(regret_small=regret < REGRET, loss_kept=mean.get(lr0, math.nan), regret_kept=kept)
+      )
+  return pd.DataFrame(rows)
+
+
 def main(argv=None) -> int:
   src, out, _ = study.cli(argv, __doc__, HERE)
   runs = pd.read_csv(src) if src.suffix == ".csv" else from_sweep(src)
@@ -156,12 +202,14 @@ def main(argv=None) -> int:
   best = best_table(runs)
   tables = dict(best_lr=best, exponents=exponents(best, runs), ordering=ordering(best))
   tables |= dict(map_vs_long=map_vs_long(runs), ground_lost=ground_lost(runs))
+  tables |= dict(length_transfer=length_transfer(best, runs))
   study.write_tables(out, **tables)
   plots.lr_curves(runs, out / "horizon.png", panel="arm", line=["steps", "clip"], best=True)
   shown = ["arm", "length", "n_seeds", "best_lr", "loss_at_best", "lr_sensitivity"]
   shown += ["largest_working_lr", "first_failing_lr", "first_failure"]
   print(md_table(best[shown].round(4)))
   print(md_table(tables["exponents"].round(3)))
+  print(md_table(tables["length_transfer"].round(4)))
   return 0
 
 
