@@ -5,10 +5,11 @@
 
 As a pytest plugin (``-p suite_times``, with ``benchmarks`` on the path) it records, in each
 test process (each xdist worker), the durations JAX reports through ``jax.monitoring`` (XLA
-backend compiles, jaxpr traces, lowerings to MLIR, orbax writes) summed per test, plus the
-process's CPU seconds, into ``DIR/<worker>.json``. Subprocesses the tests start are not
-counted. As a script it sums those files: totals per event, then per test file and the tests
-with the most backend-compile time.
+backend compiles, jaxpr traces, lowerings to MLIR, orbax writes) summed per test, plus each
+test's CPU seconds (its process's, and those of the subprocesses it started and waited for: a
+cost that a loaded machine does not inflate as it does wall time), into ``DIR/<worker>.json``.
+As a script it sums those files: totals per event, then per test file and the tests with the
+most backend-compile time, and the tests with the most CPU time.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ COMPILE = "/jax/core/compile/backend_compile_duration"
 TRACE = "/jax/core/compile/jaxpr_trace_duration"
 LOWER = "/jax/core/compile/jaxpr_to_mlir_module_duration"
 
-_state = {"dir": None, "test": None}
+CPU = "cpu_s"  # per test: user + system seconds of the test process and its waited-for children
+_state = {"dir": None, "test": None, "cpu0": 0.0}
 _total: collections.Counter = collections.Counter()
 _count: collections.Counter = collections.Counter()
 _per: dict = collections.defaultdict(collections.Counter)
@@ -59,8 +61,18 @@ def pytest_configure(config):
   jax.monitoring.register_event_duration_secs_listener(_listen)
 
 
+def _cpu() -> float:
+  s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+
 def pytest_runtest_logstart(nodeid, location):
-  _state["test"] = nodeid
+  _state["test"], _state["cpu0"] = nodeid, _cpu()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+  if _state["dir"] is not None and _state["test"] == nodeid:
+    _per[nodeid][CPU] += _cpu() - _state["cpu0"]
 
 
 def pytest_unconfigure(config):
@@ -99,6 +111,9 @@ def summarize(paths: list[Path], top: int) -> str:
   lines += ["", "compile   trace   lower  test"]
   for k, v in sorted(per.items(), key=lambda kv: -kv[1].get(COMPILE, 0.0))[:top]:
     lines.append(f"{v.get(COMPILE, 0):7.1f} {v.get(TRACE, 0):7.1f} {v.get(LOWER, 0):7.1f}  {k}")
+  lines += ["", "  CPU s  test (with its subprocesses)"]
+  for k, v in sorted(per.items(), key=lambda kv: -kv[1].get(CPU, 0.0))[:top]:
+    lines.append(f"{v.get(CPU, 0):7.1f}  {k}")
   return "\n".join(lines)
 
 

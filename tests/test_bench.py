@@ -168,7 +168,7 @@ def test_step_profile_place_diff(capsys):
 def test_suite_times_sums_the_workers_records(tmp_path, capsys):
   C, T = suite_times.COMPILE, suite_times.TRACE
   for w, (a, b) in {"gw0": (1.5, 0.25), "gw1": (2.0, 0.5)}.items():
-    per = {f"tests/test_{w}.py::t": {C: a, T: b}, "tests/test_x.py::u": {C: 0.5}}
+    per = {f"tests/test_{w}.py::t": {C: a, T: b, "cpu_s": 4 * a}, "tests/test_x.py::u": {C: 0.5}}
     rec = {"cpu_s": 10.0, "total": {C: a + 0.5, T: b}, "count": {C: 3, T: 1}, "per_test": per}
     (tmp_path / f"{w}.json").write_text(json.dumps(rec))
   assert suite_times.main([str(tmp_path), "--top", "2"]) == 0
@@ -180,6 +180,8 @@ def test_suite_times_sums_the_workers_records(tmp_path, capsys):
     "    2.0     0.5     0.0  tests/test_gw1.py",
     "    1.5     0.2     0.0  tests/test_gw0.py",
   ]
+  cpu = out.split("(with its subprocesses)\n")[1].splitlines()  # per test, CPU s first
+  assert cpu == ["    8.0  tests/test_gw1.py::t", "    6.0  tests/test_gw0.py::t"]
   assert suite_times.main([str(tmp_path / "none")]) == 2
   assert "no per-process records" in capsys.readouterr().err
 
