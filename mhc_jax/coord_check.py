@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from mhc_jax.diagnostics import tree_layer_norms
 from mhc_jax.errors import UsageError
-from mhc_jax.train.config import load_config
+from mhc_jax.train.config import config_hash, load_config
 from mhc_jax.train.loop import SingleProgram, prepare
 
 #: |log-log slope| above which a quantity grows (shrinks) with size: 2^0.25 = 1.19x per doubling.
@@ -30,22 +30,25 @@ def measure(setup, steps: int) -> list[tuple]:
   """``(layer, quantity, step, value)`` on batch 0 after ``step = 0..steps`` updates (one device)."""
   program = SingleProgram(setup)
   state, x = program.init(), program.batch(0)["inputs"]
-  sown = lambda p: program.model.apply(p, x, stats=False, mutable=["intermediates"])[1]
-  L = setup.cfg.model.depth  # the stream leaving each block, [L, elements], float32:
-  stream = lambda p: sown(p)["intermediates"]["blocks"]["stream"][0].reshape(L, -1)
-  streams = jax.jit(lambda p: stream(p).astype(jnp.float32))
+  L = setup.cfg.model.depth
+
+  @jax.jit  # one forward: the stream leaving each block [L, elements] and the logit max [L]
+  def forward(p):
+    (_, stats), sown = program.model.apply(p, x, mutable=["intermediates"])
+    stream = sown["intermediates"]["blocks"]["stream"][0].reshape(L, -1)
+    return stream.astype(jnp.float32), stats["attn_logit_max"]
+
   rms = lambda a: jnp.sqrt(jnp.mean(jnp.square(a), axis=1))
-  attn_max = jax.jit(lambda p: program.model.apply(p, x)[1]["attn_logit_max"])  # [L]
-  p0, s0 = jax.device_get(state.params["params"]["blocks"]), streams(state.params)
+  p0, (s0, _) = jax.device_get(state.params["params"]["blocks"]), forward(state.params)
   per_block = sum(a[0].size for a in jax.tree.leaves(p0))
   rows = []
   for t in range(steps + 1):
     if t:
       state, _ = program.step(state, None, t - 1, False)  # donates the old state
-    s, blocks = streams(state.params), state.params["params"]["blocks"]
+    (s, attn_max), blocks = forward(state.params), state.params["params"]["blocks"]
     dp = tree_layer_norms(jax.tree.map(jnp.subtract, blocks, p0)) / np.sqrt(per_block)
     quantities = [("act_rms", rms(s)), ("act_delta_rms", rms(s - s0)), ("param_delta_rms", dp)]
-    for q, v in [*quantities, ("attn_logit_max", attn_max(state.params))]:
+    for q, v in [*quantities, ("attn_logit_max", attn_max)]:
       rows += [(layer, q, t, float(val)) for layer, val in enumerate(np.asarray(v))]
   return rows
 
@@ -55,10 +58,11 @@ def run(make_cfg, widths, depths, steps: int, progress: bool = True) -> pd.DataF
   go at its depth and depths at its width); every size is checked before any trains."""
   plan = [("width", w, None) for w in widths] + [("depth", None, d) for d in depths]
   plan = [(axis, prepare(make_cfg(w, d), devices=jax.devices()[:1])) for axis, w, d in plan]
-  rows = []
+  rows, done = [], {}  # the base size sits on both axes: measured once
   for axis, setup in tqdm(plan, desc="coord-check", disable=not progress, file=sys.stderr):
-    m = setup.cfg.model
-    rows += [(axis, m.width, m.depth, *r) for r in measure(setup, steps)]
+    m, key = setup.cfg.model, config_hash(setup.cfg)
+    done[key] = done.get(key) or measure(setup, steps)
+    rows += [(axis, m.width, m.depth, *r) for r in done[key]]
   return pd.DataFrame(rows, columns=COLUMNS)
 
 

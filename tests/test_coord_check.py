@@ -85,8 +85,9 @@ def test_the_standard_init_grows_with_depth_and_depth_scaled_stays_flat():
 
 
 @pytest.mark.slow
-def test_cli_writes_the_csv_and_plot_and_prints_verdicts(tmp_path, capsys):
-  out = tmp_path / "cc"
+def test_cli_writes_the_csv_and_plot_and_prints_verdicts(tmp_path, capsys, monkeypatch):
+  out, measured, measure = tmp_path / "cc", [], cc.measure
+  monkeypatch.setattr(cc, "measure", lambda s, n: measured.append(s.cfg.model) or measure(s, n))
   sets = ["model.depth=1", "model.width=16", "model.heads=2", "data.seq_len=8", "data.batch_size=4"]
   argv = ["coord-check", "residual", "--set", *sets, "--widths", "16,32", "--depths", "1,2"]
   argv += ["--parametrization", "mup", "--set", "model.base_width=8"]
@@ -106,6 +107,12 @@ def test_cli_writes_the_csv_and_plot_and_prints_verdicts(tmp_path, capsys):
   assert len(df) == 2 * 4 * 2 * (1 + 1 + 1 + 2) and np.isfinite(df.value).all()
   assert set(df[df.axis == "depth"].width) == {16} and set(df[df.axis == "width"].depth) == {1}
   assert sorted(p.name for p in out.iterdir()) == ["coord_check.csv", "coord_check.png"]
+  # the base size (16, 1) sits on both axes: trained once per parametrisation, read twice
+  assert sorted((m.parametrization, m.width, m.depth) for m in measured) == [
+    (p, w, d) for p in ("mup", "sp") for w, d in ((16, 1), (16, 2), (32, 1))
+  ]
+  base = df[(df.width == 16) & (df.depth == 1)].set_index(["parametrization", "axis"]).value
+  np.testing.assert_array_equal(base.xs("width", level=1), base.xs("depth", level=1))
 
 
 @pytest.mark.parametrize(
