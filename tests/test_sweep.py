@@ -211,6 +211,28 @@ def test_bad_axis_exits_2_and_writes_nothing(tmp_path, capsys):
   assert not out.exists()
 
 
+def test_prepare_runs_shares_work_across_lrs_and_seeds(tmp_path, monkeypatch):
+  """An lr x seed grid: one data source per seed, one shape check per model; each setup carries
+  its own run's config, the one ``prepare`` alone gives it."""
+  from mhc_jax import data
+  from mhc_jax.train import loop
+
+  axes = {"model.depth": [1, 2], "optim.lr": [1e-3, 3e-3, 1e-2], "train.seed": [0, 1]}
+  sw = grid.read_sweep(_sweep(tmp_path, axes=axes))
+  sources, shapes = [], []
+  make_source, abstract_boxed = data.make_source, loop.abstract_boxed
+  monkeypatch.setattr(
+    data, "make_source", lambda *a, **k: sources.append(1) or make_source(*a, **k)
+  )
+  monkeypatch.setattr(loop, "abstract_boxed", lambda *a: shapes.append(1) or abstract_boxed(*a))
+  monkeypatch.setattr(loop, "_SHAPES_CHECKED", set())
+  setups = grid.prepare_runs(sw)
+  assert len(sw.runs) == 12 and (len(sources), len(shapes)) == (4, 2)  # (depth, seed); depth
+  for r in sw.runs:
+    assert setups[r.name].cfg == loop.prepare(r.cfg).cfg
+    assert setups[r.name].cfg.optim.lr == r.cfg.optim.lr
+
+
 def test_dry_run_params_and_flops(tmp_path, capsys):
   out = tmp_path / "out"
   f = _sweep(tmp_path)

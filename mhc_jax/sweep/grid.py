@@ -345,8 +345,10 @@ def prepare_runs(sweep: Sweep, prepare=None, note: str = "") -> dict:
   if prepare is None:
     from mhc_jax.train.loop import prepare
   setups, cache = {}, {}
-  for r in sweep.runs:
-    key = json.dumps(to_dict(r.cfg), sort_keys=True, default=str)
+  for r in sweep.runs:  # runs that differ only in optim.lr share one preparation (and source)
+    d = to_dict(r.cfg)
+    lr = d["optim"].pop("lr")
+    key = json.dumps(d, sort_keys=True, default=str)
     try:
       if key not in cache:
         cache[key] = prepare(r.cfg)
@@ -354,8 +356,15 @@ def prepare_runs(sweep: Sweep, prepare=None, note: str = "") -> dict:
       a = _blame(e, r.overrides)
       where = f"axes.{a}: value {r.overrides[a]!r} (run {r.name})" if a else f"run {r.name}"
       raise ConfigError(f"{where}: {e}{note}") from None
-    setups[r.name] = cache[key]
+    s = cache[key]
+    if dataclasses.is_dataclass(s) and s.cfg.optim.lr != lr:  # a Setup: this run's own lr
+      s = dataclasses.replace(s, cfg=_with_lr(s.cfg, lr))
+    setups[r.name] = s
   return setups
+
+
+def _with_lr(cfg: Config, lr: float) -> Config:
+  return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=lr))
 
 
 def param_counts(model_cfg) -> dict:

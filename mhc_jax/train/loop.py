@@ -51,6 +51,9 @@ def check_data(cfg: Config) -> tuple[Config, object]:
   return cfg, source
 
 
+_SHAPES_CHECKED: set = set()
+
+
 def prepare(cfg: Config, devices=None) -> Setup:
   """Everything that can fail on bad input, before any file is written (ConfigError).
 
@@ -66,13 +69,18 @@ def prepare(cfg: Config, devices=None) -> Setup:
         f"data.options: {e} (train.eval_every={cfg.train.eval_every} evaluates "
         f"on the validation split)"
       ) from None
-  try:  # shapes only: what the option types cannot say (e.g. mhc_lite's n! permutations)
-    tx, _ = make_optimizer(cfg.optim, cfg.train.steps, model=cfg.model)
-    abstract_boxed(Transformer(cfg.model), jnp.zeros((1, cfg.data.seq_len), jnp.int32), tx)
-  except ConfigError:  # a parameter without a role (mhc_jax.parametrization.labels)
-    raise
-  except ValueError as e:
-    raise ConfigError(f"model.mixer_options: {e}") from None
+  # shapes only: what the option types cannot say (e.g. mhc_lite's n! permutations); once per
+  # model and optimiser in a process (a sweep's lr x seed grid shares them)
+  key = repr((cfg.model, dataclasses.replace(cfg.optim, lr=1.0), cfg.data.seq_len))
+  if key not in _SHAPES_CHECKED:
+    try:
+      tx, _ = make_optimizer(cfg.optim, cfg.train.steps, model=cfg.model)
+      abstract_boxed(Transformer(cfg.model), jnp.zeros((1, cfg.data.seq_len), jnp.int32), tx)
+    except ConfigError:  # a parameter without a role (mhc_jax.parametrization.labels)
+      raise
+    except ValueError as e:
+      raise ConfigError(f"model.mixer_options: {e}") from None
+    _SHAPES_CHECKED.add(key)
   mesh = sh.make_mesh(cfg.mesh, cfg.data.batch_size, devices)
   return Setup(cfg, source, mesh)
 
