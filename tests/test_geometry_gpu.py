@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -62,6 +63,46 @@ def test_choose_steps_fits_the_budget():
   assert gg.choose_steps(_arms(), 1e6, every=5, cap=30, series=(10, 20, 30)) == 30
   with pytest.raises(ValueError, match="cannot fit the first checkpoint of the series"):
     gg.choose_steps(_arms(reached=0), 30.0)
+
+
+def _wait(cond, timeout=10.0) -> bool:
+  import time
+
+  end = time.monotonic() + timeout
+  while not cond() and time.monotonic() < end:
+    time.sleep(0.02)
+  return cond()
+
+
+def test_stopper_signals_at_the_step_and_at_the_deadline(tmp_path):
+  """The stop: SIGTERM to this process once every run holds a checkpoint at the step (the
+  trainer's own stop), or at the deadline; the time each step was first held by all runs."""
+  import signal
+  import time
+
+  got = []
+  old = signal.signal(signal.SIGTERM, lambda *_: got.append(time.monotonic()))
+  try:
+    dirs = [tmp_path / f"seed={s}" for s in range(2)]
+    st = gg.Stopper(dirs, 10, math.inf)
+    st.start()
+    for step in (5, 10):
+      (dirs[0] / "checkpoints" / str(step)).mkdir(parents=True)
+      time.sleep(0.15)
+      assert step not in st.seen and not got  # one run holds it, the other not yet
+      (dirs[1] / "checkpoints" / str(step)).mkdir(parents=True)
+      assert _wait(lambda: step in st.seen)
+    assert _wait(lambda: got)
+    st.finish()
+    assert st.fired == "step" and st.seen[5] < st.seen[10] <= got[0]
+    n = len(got)
+    st = gg.Stopper([tmp_path / "none"], None, time.monotonic() + 0.1)
+    st.start()
+    assert _wait(lambda: len(got) > n)
+    st.finish()
+    assert st.fired == "deadline" and not st.seen
+  finally:
+    signal.signal(signal.SIGTERM, old)
 
 
 def _script(tmp_path, *args):
