@@ -31,12 +31,15 @@
 #   a population step; per-step overhead (kernel launches of 6 blocks, twice for remat, under a
 #   vmap; hc/mhc's stream mixing, mhc's Sinkhorn iterations; the async checkpoint every 50
 #   steps) likely dominates: ~15-30 ms residual, ~20-40 ms hc, ~30-60 ms mhc. Compiling each
-#   arm's step and its series functions: ~30-100 s an arm. The series: ~1-3 s a row (16
-#   sequences x ~740 Jacobian rows on the GPU, the permutation nulls on the host), 11 rows a
-#   run at 2500 steps. So with the default 480 s: ~500-1500 steps per arm likely fit (about
-#   1000: the series to step 1000 of 9 runs), 2500 only with short compiles, a ~20 ms step and
-#   ~1 s rows. The study's decision reads steps 1000-2500: a partial read from one call; a
-#   longer lease (--budget-s) or a second call goes further.
+#   arm's step and its series functions, ~35-75 s an arm, is the largest cost: with the
+#   measurement it takes ~150-300 of the 480 s. The series: ~1-2 s a row (16 sequences x ~740
+#   Jacobian rows on the GPU, the permutation nulls on the host), up to 11 rows a run. So with
+#   the default 480 s, by choose_steps' own arithmetic: 1200 steps per arm at 20/30/45 ms
+#   steps, 1.5 s rows and 50 s of compiles an arm; 450 at 25/35/50 ms, 2 s, 75 s; 2400 at
+#   15/25/35 ms, 1 s, 35 s; none past the measurement's 150 when compiles pass ~100 s an arm
+#   (it then says so, exit 1, with the measured costs and the rows read). Likely: ~500-1200
+#   steps per arm, the series to step 500-1000. The study's decision reads 1000-2500: one call
+#   is a partial read; a longer lease (--budget-s) or a second call goes further.
 #   What a researcher gets: the frame statistic and MAE curves of hc and mhc beside residual's,
 #   3 seeds each, through the window where the authors' geometry forms (their 2.26x at step
 #   300, 3.65x at 400, 5.45x at 1000) as far as the steps reached, and the measured step and
