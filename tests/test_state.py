@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mhc_jax.model import Transformer
-from mhc_jax.train import state
+from mhc_jax.train import loop, state
 from mhc_jax.train.config import load_config
 from mhc_jax.train.loop import prepare
 from mhc_jax.train.optim import make_optimizer
@@ -22,6 +22,8 @@ def counting_init(monkeypatch) -> list:
     return init(self, *a, **k)
 
   monkeypatch.setattr(Transformer, "init", counted)
+  # both per-process memos start empty, whatever ran before in this worker
+  monkeypatch.setattr(loop, "_SHAPES_CHECKED", set())
   state.param_shapes.cache_clear()
   return calls
 
