@@ -167,9 +167,7 @@ def describe(runs: pd.DataFrame) -> dict[str, str]:
 
 
 def _mixer_of(runs: pd.DataFrame) -> pd.Series:
-  if "mixer" in runs.columns:
-    return runs["mixer"].astype(str)
-  return pd.Series("run", index=runs.index)
+  return runs["mixer"].astype(str) if "mixer" in runs else pd.Series("run", index=runs.index)
 
 
 def _save(fig, path, dpi: int) -> str:
@@ -194,16 +192,12 @@ def _legend_handles(colors, styles, style_keys, max_band, lrs=(), band="range ov
   h = [Line2D([], [], color=colors[m], lw=2.5, label=m) for m in colors]
   if lrs:
     h.append(Line2D([], [], ls="none", label="learning rate:"))
-    h += [
-      Line2D([], [], color=_shade(_GREY, k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}")
-      for k, lr in enumerate(lrs)
-    ]
+    for k, lr in enumerate(lrs):
+      h.append(Line2D([], [], color=_shade(_GREY, k, len(lrs)), lw=2.5, label=f"  lr = {lr:g}"))
   if styles:
     h.append(Line2D([], [], ls="none", label=", ".join(styles) + ":"))
-    h += [
-      Line2D([], [], color=_GREY, ls=_STYLES[i % 4], lw=1.5, label="  " + ", ".join(k))
-      for i, k in enumerate(style_keys)
-    ]
+    for i, k in enumerate(style_keys):
+      h.append(Line2D([], [], color=_GREY, ls=_STYLES[i % 4], lw=1.5, label="  " + ", ".join(k)))
   if max_band:
     h.append(Patch(color=_GREY, alpha=0.22, label=f"{band} (≤ {max_band})"))
   return h
@@ -252,9 +246,8 @@ def _seed_groups(runs: pd.DataFrame) -> list[pd.DataFrame]:
   if not _varying(runs, "seed"):
     return [runs.iloc[[i]] for i in range(len(runs))]
   ids = runs.attrs.get("id_columns") or ["mixer", "depth", "width", "lr"]
-  return [
-    g for _, g in stats.split(runs, [c for c in ids if c in runs and c not in ("run", "seed")])
-  ]
+  keys = [c for c in ids if c in runs and c not in ("run", "seed")]
+  return [g for _, g in stats.split(runs, keys)]
 
 
 def _seed_band(series: list[tuple[np.ndarray, np.ndarray]], log: bool) -> tuple[np.ndarray, ...]:
@@ -468,8 +461,7 @@ def stream_spread_vs_layer(
   if not last:
     return None
   fin = np.concatenate(list(last.values()))
-  fin = fin[np.isfinite(fin)]
-  log = bool(fin.size) and fin.min() > 0 and fin.max() / fin.min() >= 30
+  log = _use_log(fin) and fin[np.isfinite(fin)].min() > 0  # log only when every finite value is > 0
   max_band = []
 
   def draw(ax, members, c, ls):
@@ -525,13 +517,11 @@ def h_res_vs_layer(
   ylabels = ("stream spread", "mean diagonal of H_res (1 = I)", "RMS(H_res - H_res at step 0)")
   for ax, col, yl in zip(axes, cols, ylabels):
     ax.set_title(col, fontsize=10)
-    ax.set_xlabel("mixer layer (attn 0, mlp 0, attn 1, ...)")
-    ax.set_ylabel(yl)
+    ax.set(xlabel="mixer layer (attn 0, mlp 0, attn 1, ...)", ylabel=yl)
     ax.grid(True, alpha=0.3)
   fig.legend(handles=handles, **_LEG)
-  fig.suptitle(
-    "Stream spread and H_res movement against layer (last diagnostics step)", fontsize=12
-  )
+  title = "Stream spread and H_res movement against layer (last diagnostics step)"
+  fig.suptitle(title, fontsize=12)
   return _save(fig, path, dpi)
 
 
@@ -540,13 +530,9 @@ def pick_heatmap_runs(metrics: pd.DataFrame, runs: pd.DataFrame, max_runs: int =
   name); at most ``max_runs``, mixers in the usual order."""
   if metrics is None or not len(metrics) or max_runs <= 0:
     return []
-  have = set()
-  for col in ("gain_fwd", "amax_fwd_composite"):
-    if col in metrics.columns:
-      have |= set(
-        metrics.loc[metrics[col].map(lambda v: isinstance(v, list) and len(v) > 0), "run"]
-      )
-  cand = runs[runs["run"].isin(have)].copy()
+  cols = [c for c in ("gain_fwd", "amax_fwd_composite") if c in metrics.columns]
+  listed = metrics[cols].map(lambda v: isinstance(v, list) and len(v) > 0).any(axis=1)
+  cand = runs[runs["run"].isin(set(metrics.loc[listed, "run"]))].copy()
   if not len(cand):
     return []
   cand["_mixer"] = _mixer_of(cand)
@@ -744,10 +730,8 @@ def edge_chart(lr_tab: pd.DataFrame, path, *, families: dict, dpi: int = 110) ->
   low, top = np.nanmin(lr_tab[cols].to_numpy(float)), np.nanmax(lr_tab[cols].to_numpy(float))
   for ax, d in zip(axes[0], depths):
     for r in lr_tab[lr_tab["depth"] == d].itertuples():
-      y = row[r.arm]
-      ax.plot(
-        [r.best_lr, r.largest_working_lr], [y, y], color="#1f77b4", lw=3, solid_capstyle="butt"
-      )
+      y, bar = row[r.arm], [r.best_lr, r.largest_working_lr]
+      ax.plot(bar, [y, y], color="#1f77b4", lw=3, solid_capstyle="butt")
       dead = not np.isfinite(r.largest_working_lr)  # the best lr's own runs failed
       ax.plot([r.best_lr], [y], "o", color="#999999" if dead else "#1f77b4", ms=4)
       if r.first_failure in _FAIL_MARKS:
@@ -761,13 +745,9 @@ def edge_chart(lr_tab: pd.DataFrame, path, *, families: dict, dpi: int = 110) ->
   for k, d in enumerate(depths):
     g = lr_tab[lr_tab["depth"] == d]
     y = g["arm"].map(row).to_numpy() + (k - (len(depths) - 1) / 2) * 0.22
-    err = [
-      g["lr_sensitivity"] - g["lr_sensitivity_ci_lo"],
-      g["lr_sensitivity_ci_hi"] - g["lr_sensitivity"],
-    ]
-    sens.errorbar(
-      g["lr_sensitivity"], y, xerr=np.abs(np.asarray(err, float)), fmt="o", ms=3, label=f"depth {d}"
-    )
+    s, lo, hi = (g[f"lr_sensitivity{c}"] for c in ("", "_ci_lo", "_ci_hi"))
+    err = np.abs(np.asarray([s - lo, hi - s], float))
+    sens.errorbar(s, y, xerr=err, fmt="o", ms=3, label=f"depth {d}")
   sens.set(title="LR sensitivity (nats)", xlabel="mean excess loss over the grid")
   sens.legend(fontsize=7, loc="lower right")
   first = axes[0][0]
