@@ -19,7 +19,6 @@ truncation error (``sinkhorn_err = 0``). For ``n = 2^K`` with 2x2 factors each `
 Options, initialisation and state in detail: docs/mixers.md ("Mixer notes", ``kromhc``).
 """
 
-import itertools
 import math
 
 import jax
@@ -27,14 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mhc_jax.mixers.mhc import ManifoldHyperConnection
+from mhc_jax.mixers.mhc_lite import permutation_matrices
 
 MAX_FACTOR = 6  # 720 permutations per factor; beyond that a factor is not "small"
-
-
-def permutation_matrices(n: int) -> np.ndarray:
-  """All n! permutation matrices ``[n!, n, n]``, the identity first."""
-  eye = np.eye(n, dtype=np.float32)
-  return np.stack([eye[list(p)] for p in itertools.permutations(range(n))])
 
 
 def default_factors(n: int) -> tuple[int, ...]:
