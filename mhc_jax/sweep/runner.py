@@ -17,16 +17,8 @@ import subprocess
 import time
 import traceback
 
-from mhc_jax import logs, rundir, storage
-from mhc_jax.errors import (
-  EXIT_FAILED,
-  EXIT_OK,
-  EXIT_PREEMPTED,
-  ConfigError,
-  Preempted,
-  RunHalted,
-  RunLocked,
-)
+from mhc_jax import errors, logs, rundir, storage
+from mhc_jax.errors import ConfigError, Preempted, RunHalted, RunLocked
 from mhc_jax.sweep import grid, options as how, posteval
 from mhc_jax.train import dist
 
@@ -154,10 +146,8 @@ def train_unit(setups: dict, run_dirs: dict, progress: bool = False, say=print) 
     for n in live:  # the jobs' logs count these
       say(f"{n}: training from step {max(rundir.checkpoint_steps(dirs[n]), default=0)}")
     if len(live) == 1:
-      try:
+      with contextlib.suppress(RunHalted):  # summary.json says halted
         train(setups[live[0]], dirs[live[0]], resume=not fresh, progress=progress)
-      except RunHalted:
-        pass  # summary.json says halted
     elif live:
       population.train_population(
         [setups[n] for n in live], [dirs[n] for n in live], True, progress
@@ -391,7 +381,7 @@ def run_sweep(
 
       print(report.screen(out_dir))
       print(f"report: {index}")
-    return EXIT_FAILED if counts["failed"] else EXIT_OK
+    return errors.EXIT_FAILED if counts["failed"] else errors.EXIT_OK
   how_ = f" as {executor} jobs, " + (f"up to {parallel} at once" if parallel else "all at once")
   _say(
     f"sweep {sweep.name}: {len(sweep.runs)} runs ({counted}, {len(todo)} to run) in"
@@ -412,7 +402,7 @@ def run_sweep(
       sweep, out_dir, units, parallel, executor, executor_params or {}, say, progress
     ):
       _say(f"sweep {sweep.name}: stopped; re-run the same command to continue")
-      return EXIT_PREEMPTED
+      return errors.EXIT_PREEMPTED
     return _finish(out_dir, plan(sweep, out_dir)[0], evals)
   for unit in units:
     dirs = {n: out_dir / runs[n]["dir"] for n in unit}
@@ -425,7 +415,7 @@ def run_sweep(
       train_unit({n: setups[n] for n in unit}, dirs, progress, lambda m: None)
     except Preempted as e:
       _say(f"sweep {sweep.name}: {e}; re-run the same command to continue")
-      return EXIT_PREEMPTED
+      return errors.EXIT_PREEMPTED
     except Exception as e:  # noqa: BLE001 - a failed run must not stop the sweep
       if dist.is_main():
         traceback.print_exc()
@@ -444,7 +434,7 @@ def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
   """Write the manifest, evaluate the finished runs (the sweep's ``eval: N``), write the report,
   print the screen-sized summary and the page's path (process 0)."""
   if not dist.is_main():
-    return EXIT_OK
+    return errors.EXIT_OK
   from mhc_jax.sweep import report
 
   write_manifest(out_dir, manifest)
@@ -459,7 +449,7 @@ def _finish(out_dir, manifest: dict, evals: int | None = None) -> int:
   open_runs = [n for n, i in manifest["runs"].items() if i["status"] not in ("done", "failed")]
   if open_runs:
     print(f"{len(open_runs)} run(s) not finished: {', '.join(open_runs)} (run the command again)")
-  return EXIT_FAILED if failed else EXIT_OK
+  return errors.EXIT_FAILED if failed else errors.EXIT_OK
 
 
 # -------------------------------------------------------------------------------------- The command
@@ -513,5 +503,5 @@ def main(args, sweep: grid.Sweep | None = None) -> int:
   setups = grid.prepare_runs(sweep)
   if args.dry_run:
     print_dry_run(sweep, setups, out_dir)
-    return EXIT_OK
+    return errors.EXIT_OK
   return run_sweep(sweep, setups, out_dir, progress=not args.quiet)
