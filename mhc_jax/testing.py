@@ -60,10 +60,8 @@ def setup(name: str, n: int | None = None, dtype=jnp.float32, seed: int = 0, **o
   k_x, k_f, k_p, k_s = jax.random.split(jax.random.PRNGKey(seed), 4)
   state = mixer.expand(jax.random.normal(k_x, (B, T, C)).astype(dtype))
   leaves, tree = jax.tree.flatten(state)
-  keys = jax.random.split(k_s, len(leaves))
-  state = jax.tree.unflatten(
-    tree, [(l + jax.random.normal(k, l.shape)).astype(dtype) for l, k in zip(leaves, keys)]
-  )
+  keys = jax.tree.unflatten(tree, jax.random.split(k_s, len(leaves)))
+  state = jax.tree.map(lambda l, k: (l + jax.random.normal(k, l.shape)).astype(dtype), state, keys)
   f = sublayer_fn(k_f)
   params = nn.meta.unbox(mixer.init(k_p, state, f, 0))
 
@@ -136,10 +134,8 @@ def check_finite_grads(name: str, dtype=jnp.float32, **opts) -> None:
 def perturb(params, key, scale: float = 1.0):
   """Every parameter plus N(0, scale²) noise: a state far from initialisation."""
   leaves, tree = jax.tree.flatten(params)
-  keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(
-    tree, [l + scale * jax.random.normal(k, l.shape, l.dtype) for l, k in zip(leaves, keys)]
-  )
+  keys = jax.tree.unflatten(tree, jax.random.split(key, len(leaves)))
+  return jax.tree.map(lambda l, k: l + scale * jax.random.normal(k, l.shape, l.dtype), params, keys)
 
 
 def per_token_h_res(mixer, params, x, f):
@@ -226,10 +222,8 @@ class _Stack(nn.Module):
     )(self.name_, self.opts, self.depth, name="layers")
     x, spreads = layers(spec.expand(emb[tokens_BT]), jnp.arange(self.depth))
     collapse_cls, kw = spec.collapse_module()
-    logits = nn.Dense(self.vocab, use_bias=False, name="head")(
-      rms_norm(collapse_cls(**kw, name="collapse")(x))
-    )
-    return logits, spreads
+    head = nn.Dense(self.vocab, use_bias=False, name="head")
+    return head(rms_norm(collapse_cls(**kw, name="collapse")(x))), spreads
 
 
 def stream_separation(
@@ -326,16 +320,14 @@ def check_param_roles(name: str, **opts) -> None:
     )
     grows = [a != b for a, b in zip(shape, big[path])]
     fan_grows = _fan_in(big[path]) > _fan_in(shape)
+    declared = f"{name}: parameter {path} is declared {got!r}"
+    shapes = f"(shape {shape} at width {C}, {big[path]} at {2 * C})"
     if got in WIDE_ROLES:
       ok = fan_grows if len(shape) >= 2 else any(grows)
-      assert ok, (
-        f"{name}: parameter {path} is declared {got!r} (width-like) but its fan-in does not grow "
-        f"with the width (shape {shape} at width {C}, {big[path]} at {2 * C})"
-      )
+      assert ok, f"{declared} (width-like) but its fan-in does not grow with the width {shapes}"
     else:
       assert not fan_grows, (
-        f"{name}: parameter {path} is declared {got!r} (scalar-like) but its fan-in grows with "
-        f"the width (shape {shape} at width {C}, {big[path]} at {2 * C}): hidden or readout?"
+        f"{declared} (scalar-like) but its fan-in grows with the width {shapes}: hidden or readout?"
       )
 
 
