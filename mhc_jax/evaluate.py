@@ -37,8 +37,12 @@ FILTERING_FACTOR = 10  # filtering counts only at KL <= header-only baseline / 1
 SERIES_CSV = "geometry_series.csv"  # `mhc-jax eval --series`: one row per checkpoint
 
 
-def _open_run(run: Path):
-  """(cfg, source, mesh, model, abstract state, Checkpoints, checkpoint steps) of a run dir."""
+def _open_run(run_dir, batches: int):
+  """(path, cfg, source, mesh, model, abstract state, Checkpoints, checkpoint steps) of a run
+  dir, ``batches`` checked first."""
+  if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
+    raise UsageError(f"--batches must be a positive integer, got {batches!r}")
+  run = storage.path(run_dir)
   if not run.exists():
     raise UsageError(f"--run: {run} does not exist")
   if not run.is_dir():
@@ -70,7 +74,7 @@ def _open_run(run: Path):
   if not steps:
     ckpt.close()
     raise UsageError(f"--run: {run} has no complete checkpoint in {ck_dir}")
-  return cfg, source, mesh, model, abstract, ckpt, steps
+  return run, cfg, source, mesh, model, abstract, ckpt, steps
 
 
 def _restore_params(ckpt, abstract, step: int, run: Path):
@@ -93,12 +97,8 @@ def _forward_fns(model, cfg):
     return logits, loss, jnp.sum(batch["mask"])
 
   def inter(params, tokens):
-    (logits, _), st = model.apply(
-      params,
-      tokens,
-      mutable=["intermediates"],
-      capture_intermediates=lambda mdl, name: mdl.name == "value" and name == "__call__",
-    )
+    capture = lambda mdl, name: mdl.name == "value" and name == "__call__"
+    _, st = model.apply(params, tokens, mutable=["intermediates"], capture_intermediates=capture)
     return st["intermediates"]
 
   return jax.jit(fwd), jax.jit(inter)
@@ -179,34 +179,20 @@ def _score(fwd, params, dev_b, keep_logits: bool):
 
 def evaluate_run(run_dir: str | os.PathLike, batches: int = 8) -> dict:
   """Evaluate a run directory's latest checkpoint; returns what eval.json holds."""
-  if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-    raise UsageError(f"--batches must be a positive integer, got {batches!r}")
   t0 = time.perf_counter()
-  run = storage.path(run_dir)
-  cfg, source, mesh, model, abstract, ckpt, steps = _open_run(run)
+  run, cfg, source, mesh, model, abstract, ckpt, steps = _open_run(run_dir, batches)
   try:
     restore = lambda step: _restore_params(ckpt, abstract, step, run)
     params = restore(steps[-1])
     fwd, inter = _forward_fns(model, cfg)
     host_b, dev_b = _batches(source, cfg, mesh, batches)
     eval_loss, count, logits = _score(fwd, params, dev_b, source.has_posterior)
-    result: dict[str, Any] = {
-      "run": str(run),
-      "task": cfg.data.task,
-      "step": steps[-1],
-      "checkpoint_steps": steps,
-      "batches": batches,
-      "batch_size": cfg.data.batch_size,
-      "seq_len": cfg.data.seq_len,
-      "mixer": cfg.model.mixer,
-      "target": cfg.data.target,
-    }
+    result: dict[str, Any] = {"run": str(run), "task": cfg.data.task, "step": steps[-1]}
+    result |= {"checkpoint_steps": steps, "batches": batches, "batch_size": cfg.data.batch_size}
+    result |= {"seq_len": cfg.data.seq_len, "mixer": cfg.model.mixer, "target": cfg.data.target}
     if not source.has_posterior:
-      result["metrics"] = {
-        "eval_loss": eval_loss,
-        "bits_per_byte": eval_loss / math.log(2),
-        "positions": int(count),
-      }
+      bits = eval_loss / math.log(2)
+      result["metrics"] = {"eval_loss": eval_loss, "bits_per_byte": bits, "positions": int(count)}
     else:
       result["metrics"] = {"eval_loss": eval_loss, **fidelity(host_b, logits, source)}
       k = min(batches, readout.PROBE_BATCHES)
@@ -226,10 +212,7 @@ def evaluate_series(run_dir: str | os.PathLike, batches: int = 8, steps=None) ->
   """A row per kept checkpoint and step 0 (the run's initialisation: the random-init control),
   or per step in `steps`: eval loss, KL, :mod:`mhc_jax.geometry.series`' columns, the gated M,
   attention's distance to the last row's (docs/windtunnel_results.md, "The checkpoint series")."""
-  if isinstance(batches, bool) or not isinstance(batches, int) or batches < 1:
-    raise UsageError(f"--batches must be a positive integer, got {batches!r}")
-  run = storage.path(run_dir)
-  cfg, source, mesh, model, abstract, ckpt, kept = _open_run(run)
+  run, cfg, source, mesh, model, abstract, ckpt, kept = _open_run(run_dir, batches)
   rows, attn = [], []
   try:
     if not source.has_posterior:
