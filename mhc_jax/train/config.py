@@ -80,8 +80,7 @@ def _type_name(tp: Any) -> str:
   return "mapping" if typing.get_origin(tp) is dict else getattr(tp, "__name__", str(tp))
 
 
-_BOUNDS = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<"}
-_BOUNDS["less_than_equal"] = "<="
+_BOUNDS = dict(greater_than=">", greater_than_equal=">=", less_than="<", less_than_equal="<=")
 
 
 def _error(e: pydantic.ValidationError, prefix: str, cls: type) -> ConfigError:
