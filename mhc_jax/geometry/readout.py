@@ -57,15 +57,9 @@ def stacked_intermediates(inter: dict, depth: int) -> dict[str, np.ndarray]:
 
   def unpack(tree):
     a = tree["attn"]
-    return {
-      "stream": tree["stream"][0],
-      "q": a["q"][0],
-      "k": a["k"][0],
-      "attn": a["attn"][0],
-      "q_pre": a.get("q_pre_rope", a["q"])[0],
-      "k_pre": a.get("k_pre_rope", a["k"])[0],
-      "value": a["value"]["__call__"][0],
-    }
+    out = {"stream": tree["stream"][0], "q": a["q"][0], "k": a["k"][0], "attn": a["attn"][0]}
+    out |= {"q_pre": a.get("q_pre_rope", a["q"])[0], "k_pre": a.get("k_pre_rope", a["k"])[0]}
+    return out | {"value": a["value"]["__call__"][0]}
 
   inter = jax.device_get(inter)
   if "blocks" in inter:
