@@ -88,8 +88,19 @@ def _restore_params(ckpt, abstract, step: int, run: Path):
   return state.params
 
 
+_FORWARD_FNS: dict = {}
+
+
 def _forward_fns(model, cfg):
-  """Jitted (logits, loss, count) of a batch, and the model's sown intermediates."""
+  """Jitted (logits, loss, count) of a batch, and the model's sown intermediates; one pair per
+  model config and target in a process (an arm's seeds compile them once)."""
+  key = (repr(model.cfg), cfg.data.target)
+  if key not in _FORWARD_FNS:
+    _FORWARD_FNS[key] = _new_forward_fns(model, cfg)
+  return _FORWARD_FNS[key]
+
+
+def _new_forward_fns(model, cfg):
 
   def fwd(params, batch):
     logits, _ = model.apply(params, batch["inputs"], stats=False)

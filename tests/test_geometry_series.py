@@ -184,3 +184,20 @@ def test_jacobian_grams_match_the_explicit_jacobian():
       want[k, i] = g.T @ g
   np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)
   assert np.all(got[:, last:] == 0) and np.abs(got[:, 3]).max() > 0
+
+
+def test_runs_of_one_model_share_their_compiled_series_functions():
+  """The seeds of an arm (one model config, separate runs) reuse one jitted Gram sweep and one
+  jitted forward: each run's series compiles nothing the previous run of that model compiled."""
+  from mhc_jax import evaluate
+  from mhc_jax.geometry import frame
+  from mhc_jax.model import Transformer
+
+  cfg = C.load_config("configs/debug.yaml", ["model.width=24"])
+  a, b = Transformer(cfg.model), Transformer(cfg.model)  # one per run, as evaluate opens them
+  hyp = (1, 2, 3)
+  assert frame._gram_fn(a, hyp, (0, 1), 1, 4) is frame._gram_fn(b, hyp, (0, 1), 1, 4)
+  assert evaluate._forward_fns(a, cfg) == evaluate._forward_fns(b, cfg)
+  wide = Transformer(C.load_config("configs/debug.yaml", ["model.width=32"]).model)
+  assert frame._gram_fn(wide, hyp, (0, 1), 1, 4) is not frame._gram_fn(a, hyp, (0, 1), 1, 4)
+  assert evaluate._forward_fns(wide, cfg) != evaluate._forward_fns(a, cfg)

@@ -43,8 +43,9 @@ _GRAM_FNS: dict = {}
 
 
 def _gram_fn(model, hyp: tuple, layers: tuple, first: int, last: int):
-  """Jitted ``(params, tokens [B, T]) -> Gram [len(layers), T, C, C]`` (float32), cached."""
-  key = (id(model), hyp, layers, first, last)
+  """Jitted ``(params, tokens [B, T]) -> Gram [len(layers), T, C, C]`` (float32), cached per
+  model config (an arm's seeds compile it once)."""
+  key = (repr(model.cfg), hyp, layers, first, last)
   if key in _GRAM_FNS:
     return _GRAM_FNS[key]
   hyp_a = jnp.asarray(hyp)
