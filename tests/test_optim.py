@@ -258,10 +258,10 @@ def test_base_steps_unset_changes_nothing():
 
   assert config_hash(Config()) == "6b19465d1c"  # tests/test_config.py HASHES
   quick = load_config(ROOT / "configs" / "quickstart.yaml")
-  bent = load_config(ROOT / "configs" / "quickstart.yaml", ["optim.steps_exponent=0.5"])
+  bent = load_config(ROOT / "configs" / "quickstart.yaml", ["optim.steps_exponent=0.25"])
   assert config_hash(bent) == config_hash(quick)
   assert config_hash(Config()) != config_hash(load_config(None, ["optim.base_steps=200"]))
-  plain, ignored = _opt(), _opt(steps_exponent=0.5)
+  plain, ignored = _opt(), _opt(steps_exponent=0.25)
   assert str(_jaxpr(ignored)) == str(_jaxpr(plain)) != str(_jaxpr(_opt(base_steps=150)))
   assert len(_jaxpr(_opt(base_steps=150)).eqns) == len(_jaxpr(plain).eqns) + 1  # one multiply
   a, b = make_schedule(plain, 2400), make_optimizer(ignored, 2400)[1]
@@ -292,7 +292,7 @@ def test_base_steps_cli_prints_the_peak_and_names_bad_input(tmp_path, capsys):
   debug = str(ROOT / "configs" / "debug.yaml")
   args = ["train", "--config", debug, "--dry-run", "--out", str(tmp_path / "ok"), "--set"]
   assert cli.main([*args, "optim.lr=0.032", "optim.base_steps=150", "train.steps=2400"]) == 0
-  assert "peak lr 0.016 = optim.lr 0.032 x (2400 / 150 steps)^-0.25" in capsys.readouterr().out
+  assert "peak lr 0.008 = optim.lr 0.032 x (2400 / 150 steps)^-0.5" in capsys.readouterr().out
   bad = {
     "optim.base_steps=0": "optim.base_steps: must be >= 1, got 0",
     "optim.base_steps=-150": "optim.base_steps: must be >= 1, got -150",

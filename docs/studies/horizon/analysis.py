@@ -42,7 +42,7 @@ COLUMNS += ["lr", "seed", "status", "loss_init", "eval_loss", "eval_min", "groun
 COLUMNS += ["baseline", "diverged", "failure", "amax_fwd_composite_tok_mean_max"]
 LOST = 0.05  # nats: a working run that ended this far above its own best lost ground
 BASE = "t150"  # the length an lr is tuned at (length_transfer.csv)
-BETAS = (OptimConfig().steps_exponent, 0.5)  # optim.steps_exponent's default; Complete(d)P's
+BETAS = (0.25, 0.5)  # residual's beta_opt; Complete(d)P's and optim.steps_exponent's default
 TIE, REGRET = 0.01, 0.05  # within 1% of two grid lrs' log-midpoint: the worse; regret in nats
 
 
