@@ -364,6 +364,23 @@ def test_changed_sweep_file(tmp_path):
   assert "mixer=residual,depth=2" in todo
 
 
+def test_a_changed_default_that_no_run_reads_does_not_block_resume(tmp_path):
+  """optim.steps_exponent's default moved 0.25 -> 0.5 while a sweep without base_steps ran: its
+  runs' configs (and hashes) are unchanged, so resuming is allowed; with base_steps set it is not."""
+  out = tmp_path / "s"
+  m, _, _ = runner.plan(grid.read_sweep(_sweep(tmp_path, set={"optim.steps_exponent": 0.25})), out)
+  runner.write_manifest(out, m)
+  runner.plan(grid.read_sweep(_sweep(tmp_path, set={"optim.steps_exponent": 0.5})), out)
+  out2 = tmp_path / "s2"
+  at = {"optim.base_steps": 100}
+  m, _, _ = runner.plan(
+    grid.read_sweep(_sweep(tmp_path, set={**at, "optim.steps_exponent": 0.25})), out2
+  )
+  runner.write_manifest(out2, m)
+  with pytest.raises(ConfigError, match=r"^optim.steps_exponent: changed from 0.25 to 0.5"):
+    runner.plan(grid.read_sweep(_sweep(tmp_path, set={**at, "optim.steps_exponent": 0.5})), out2)
+
+
 # =========================================================================== a real sweep
 def _shared_dir(tmp_path_factory) -> Path:
   """A directory all xdist workers of this session share."""

@@ -21,6 +21,7 @@ from mhc_jax import errors, logs, rundir, storage
 from mhc_jax.errors import ConfigError, Preempted, RunHalted, RunLocked
 from mhc_jax.sweep import grid, options as how, posteval
 from mhc_jax.train import dist
+from mhc_jax.train.config import result_keys
 
 SWEEP_STATUS = rundir.SWEEP_STATUS
 
@@ -65,10 +66,10 @@ def _check_compatible(old: dict, sweep: grid.Sweep, out_dir) -> None:
   for k in [*sweep.axes, *old_axes]:
     if (k in sweep.axes) != (k in old_axes):
       raise ConfigError(f"axes.{k}: {'a new axis' if k in sweep.axes else 'axis removed'} {where}")
-  before = logs.flatten_dict(old.get("base_config") or {})
-  now = logs.flatten_dict(sweep.base_config)
+  before = logs.flatten_dict(result_keys(old.get("base_config") or {}))
+  now = logs.flatten_dict(result_keys(sweep.base_config))
   for k in sorted(set(before) & set(now)):  # a key only one side has is a code change
-    if not (k.startswith("dist.") or k == "name" or _same(before[k], now[k])):
+    if not (k == "name" or _same(before[k], now[k])):
       raise ConfigError(
         f"{k}: changed from {before[k]!r} to {now[k]!r} (sweep file 'set', its "
         f"base config or --set) {where}"

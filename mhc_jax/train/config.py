@@ -552,20 +552,28 @@ def save_config(cfg: Config, path: str | os.PathLike) -> None:
   storage.write_text_atomic(path, header + body)
 
 
-def config_hash(cfg: Config, length: int = 10) -> str:
-  """Short stable hash of what determines a run's results (everything except `dist`)."""
-  d = to_dict(cfg)
-  d.pop("dist")
-  if d["model"]["parametrization"] == "sp":  # sp ignores them: hashes as before they existed
+def result_keys(d: dict) -> dict:
+  """The part of a config dict (as `to_dict` gives) that determines a run's results: no `dist`,
+  and no key its other values make unread (the form `config_hash` hashes and a resumed sweep
+  compares). Tolerates a dict written before some key existed."""
+  d = copy.deepcopy(d)
+  d.pop("dist", None)
+  model, optim = d.get("model", {}), d.get("optim", {})
+  if model.get("parametrization", "sp") == "sp":  # sp ignores them: hashes as before they existed
     for k in ("parametrization", "base_width", "base_depth", "depth_alpha", "base_head_dim"):
-      d["model"].pop(k)
-  elif d["model"]["base_head_dim"] is None:  # unset: hashes as before the key existed
-    d["model"].pop("base_head_dim")
-  if d["optim"]["base_steps"] is None:  # unset: the lr as set, hashed as before the keys existed
-    del d["optim"]["base_steps"], d["optim"]["steps_exponent"]
+      model.pop(k, None)
+  elif model.get("base_head_dim") is None:  # unset: hashes as before the key existed
+    model.pop("base_head_dim", None)
+  if optim.get("base_steps") is None:  # unset: the lr as set, hashed as before the keys existed
+    optim.pop("base_steps", None), optim.pop("steps_exponent", None)
   for section, keys in _RETIRED.items():
-    d[section].update(keys)
-  blob = json.dumps(d, sort_keys=True, separators=(",", ":"))
+    d.setdefault(section, {}).update(keys)
+  return d
+
+
+def config_hash(cfg: Config, length: int = 10) -> str:
+  """Short stable hash of what determines a run's results (`result_keys`)."""
+  blob = json.dumps(result_keys(to_dict(cfg)), sort_keys=True, separators=(",", ":"))
   return hashlib.sha256(blob.encode()).hexdigest()[:length]
 
 
