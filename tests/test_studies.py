@@ -183,6 +183,37 @@ def test_transfer_tables_by_hand(tmp_path):
   assert (tmp_path / "transfer.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_transfer_merges_later_sources_row_by_row(tmp_path):
+  """The extension's sweeps replace runs.csv's rows run by run (configs/studies/transfer.yaml):
+  a later source's run wins, its new runs are added, the rest stay in their place."""
+  runs = _planted_transfer()
+  runs["run"] = [
+    f"arm={a},parametrization={p},size=w{w}_d{d},lr={lr:g},seed={s}"
+    for a, p, w, d, lr, s in runs[["arm", "parametrization", "width", "depth", "lr", "seed"]].values
+  ]
+  runs.to_csv(tmp_path / "runs.csv", index=False)
+  cell = (runs.parametrization == "completep") & (runs.width == 32) & (runs.depth == 32)
+  later = runs[cell].assign(eval_loss=lambda d: d["eval_loss"] + 1.0)  # a rerun, worse
+  more = later[later.lr == 0.064].assign(
+    lr=0.128, run=lambda d: d["run"].str.replace("0.064", "0.128")
+  )
+  (tmp_path / "b").mkdir()
+  pd.concat([later, more]).to_csv(tmp_path / "b" / "runs.csv", index=False)
+  out = tmp_path / "out"
+  mod = _analysis("transfer")
+  assert (
+    mod.main([str(tmp_path / "runs.csv"), str(tmp_path / "b" / "runs.csv"), "--out", str(out)]) == 0
+  )
+  merged = pd.read_csv(out / "runs.csv")
+  assert len(merged) == len(runs) + 2 and merged["run"].is_unique
+  assert merged["run"].tolist()[: len(runs)] == runs["run"].tolist()  # replaced in place
+  m = merged.set_index("run")
+  assert (m.loc[runs[cell]["run"], "eval_loss"].values == runs[cell]["eval_loss"].values + 1).all()
+  np.testing.assert_array_equal(m.loc[runs[~cell]["run"], "eval_loss"], runs[~cell]["eval_loss"])
+  best = pd.read_csv(out / "best_lr.csv").set_index(["parametrization", "width", "depth"])
+  assert best.loc[("completep", 32, 32), "n_lr"] == 6 and best.loc[("sp", 32, 32), "n_lr"] == 5
+
+
 def _planted_geometry() -> pd.DataFrame:
   """runs.csv of the geometry pilot, planted: 'tied' meets both rules on both seeds from step
   2000 (key ratio 0.5 <= 1/1.5, manifold z 5 >= 3), 'untied' has the key frame on both seeds

@@ -21,19 +21,36 @@ from mhc_jax.sweep import lrmap, stats
 
 
 # =========================================================================== reading
-def cli(argv, doc: str, here, flags=()) -> tuple[Path, Path, argparse.Namespace]:
+def cli(argv, doc: str, here, flags=(), many=False) -> tuple[Path, Path, argparse.Namespace]:
   """A study analysis's command line, ``SOURCE [--out DIR]`` (and ``flags``: ``(name, kwargs)``
-  pairs): (source, the output folder, made: beside a runs.csv, else ``here``; the arguments)."""
+  pairs): (source, the output folder, made: beside a runs.csv, else ``here``; the arguments).
+  With ``many``, ``SOURCE...``: the source is a list (see :func:`merge_runs`)."""
   ap = argparse.ArgumentParser(description=doc.splitlines()[0])
-  ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
+  if many:
+    ap.add_argument(
+      "source",
+      nargs="+",
+      help="sweep directories or runs.csv files; a later one's run replaces an earlier one's",
+    )
+  else:
+    ap.add_argument("source", help="a sweep directory, or a runs.csv to recompute from")
   ap.add_argument("--out", default=None)
   for name, kw in flags:
     ap.add_argument(name, **kw)
   args = ap.parse_args(argv)
-  src = Path(args.source)
-  out = Path(args.out or (src.parent if src.suffix == ".csv" else here))
+  srcs = [Path(s) for s in (args.source if many else [args.source])]
+  out = Path(args.out or (srcs[0].parent if srcs[0].suffix == ".csv" else here))
   out.mkdir(parents=True, exist_ok=True)
-  return src, out, args
+  return srcs if many else srcs[0], out, args
+
+
+def merge_runs(frames: list[pd.DataFrame]) -> pd.DataFrame:
+  """Runs from several sources, one row per ``run`` name: a later source's row replaces an
+  earlier one's in its place; runs no earlier source has come after, in their order."""
+  d = pd.concat(frames, ignore_index=True)
+  first = d.drop_duplicates("run").reset_index().set_index("run")["index"]
+  kept = d.drop_duplicates("run", keep="last")
+  return kept.iloc[np.argsort(kept["run"].map(first).to_numpy(), kind="stable")]
 
 
 def save_runs(runs: pd.DataFrame, src: Path, out: Path, changed: bool = False) -> None:
@@ -56,16 +73,20 @@ def read_runs(source) -> pd.DataFrame:
   return lrmap.runs_table(table.assign(baseline=[task_baseline(dirs[r]) for r in table["run"]]))
 
 
-def load(argv, doc: str, here, data: dict | None = None) -> tuple[pd.DataFrame, Path, Path]:
-  """:func:`cli` and :func:`read_runs`, then ``out/runs.csv`` (:func:`save_runs`); with the
-  study's text ``data`` settings a runs.csv from before the baseline existed gets it
-  (:func:`with_baseline`) and is rewritten. Returns (runs, source, out)."""
-  src, out, _ = cli(argv, doc, here)
-  runs = read_runs(src)
+def load(
+  argv, doc: str, here, data: dict | None = None, many: bool = False
+) -> tuple[pd.DataFrame, Path, Path]:
+  """:func:`cli` and :func:`read_runs` (with ``many``, each source's, :func:`merge_runs`), then
+  ``out/runs.csv`` (:func:`save_runs`); with the study's text ``data`` settings a runs.csv from
+  before the baseline existed gets it (:func:`with_baseline`) and is rewritten. Returns (runs,
+  the (first) source, out)."""
+  src, out, _ = cli(argv, doc, here, many=many)
+  srcs = src if many else [src]
+  runs = merge_runs([read_runs(s) for s in srcs]) if len(srcs) > 1 else read_runs(srcs[0])
   upgrade = data is not None and "baseline" not in runs
   runs = with_baseline(runs, **data) if upgrade else runs
-  save_runs(runs, src, out, changed=upgrade)
-  return runs, src, out
+  save_runs(runs, srcs[0], out, changed=upgrade or len(srcs) > 1)
+  return runs, srcs[0], out
 
 
 def task_baseline(run_dir) -> float:

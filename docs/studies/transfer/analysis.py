@@ -3,6 +3,10 @@
 
   python docs/studies/transfer/analysis.py SWEEP_DIR [--out docs/studies/transfer]
   python docs/studies/transfer/analysis.py docs/studies/transfer/runs.csv   # recompute
+  python docs/studies/transfer/analysis.py docs/studies/transfer/runs.csv sweeps_out/transfer_edge_d4 ...
+
+Several sources merge run by run (``study.merge_runs``): a later source's run replaces an
+earlier one's (the extension of configs/studies/transfer.yaml).
 
 Writes into ``--out`` (default: beside runs.csv, or docs/studies/transfer; README.md beside
 this file says what each holds): ``runs.csv`` (``mhc_jax.sweep.study.read_runs``), ``best_lr.csv``
@@ -80,7 +84,7 @@ def transfer_table(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def main(argv=None) -> int:
-  runs, _, out = study.load(argv, __doc__, HERE)
+  runs, _, out = study.load(argv, __doc__, HERE, many=True)
   best_table(runs).to_csv(out / "best_lr.csv", index=False)
   tab = transfer_table(runs)
   tab.to_csv(out / "transfer.csv", index=False)
