@@ -364,3 +364,26 @@ def test_edge_chart_marks_each_failure_kind(tmp_path, monkeypatch):
   kinds = {h.get_label() for h in fig.legends[0].legend_handles}
   assert {"diverged", "did not train", "both", "above the grid"} <= kinds
   assert plots.edge_chart(tab.iloc[:0], tmp_path / "none.png", families={}) is None
+
+
+def test_lr_curves_can_show_each_seed_instead_of_a_band(tmp_path, monkeypatch):
+  """band="seeds": every seed's value is drawn as a point and nothing reaches past the data
+  (two seeds' t band, t = 12.7, ran far outside it in the horizon study's figure)."""
+  drawn = {}
+  monkeypatch.setattr(plots, "_save", lambda fig, path, dpi: drawn.setdefault("fig", fig) and path)
+  runs = PLANTED[PLANTED["arm"].isin(["a", "c"])].assign(baseline=3.0, study="one panel")
+  runs = runs.assign(diverged=lrmap.diverged(runs), failure=lrmap.failure(runs))
+  plots.lr_curves(runs, tmp_path / "c.png", panel="study", line="arm", band="seeds")
+  ax = drawn["fig"].axes[0]
+  dots = [ln for ln in ax.lines if ln.get_marker() == "."]
+  assert sum(len(ln.get_xdata()) for ln in dots) == len(runs)  # each run once, on its own line
+  points = {(round(x, 6), round(y, 6)) for ln in ax.lines for x, y in ln.get_xydata()}
+  y = np.where(
+    np.isfinite(runs["eval_loss"]), np.fmin(runs["eval_loss"], runs["loss_init"]), runs["loss_init"]
+  )
+  assert {(round(a, 6), round(b, 6)) for a, b in zip(runs["lr"], y)} <= points
+  assert not ax.collections or all(
+    len(c.get_paths()) == 0 for c in ax.collections if c.get_label() == "band"
+  )
+  lo, hi = ax.get_ylim()
+  assert lo >= min(y) - 0.5 and hi <= max(y) + 0.5

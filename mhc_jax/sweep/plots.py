@@ -606,7 +606,7 @@ def lr_curves(
   y: str = "eval_loss",
   panel="arm",
   line="depth",
-  band: bool = True,
+  band: bool | str = True,
   best: bool = False,
   dpi: int = 110,
 ) -> str | None:
@@ -614,7 +614,8 @@ def lr_curves(
   of the ``line`` column(s) (darker = larger): the seed mean of min(y, loss_init) (non-finite ->
   loss_init, as the LR sensitivity counts it) and its 95% t band; X where any seed diverged
   (lrmap.diverged), an open circle where one did not train (``runs["failure"]``), a dashed line
-  at the task's baseline; ``band=False``: no band (two seeds' is too wide to read), ``best``: a
+  at the task's baseline; ``band=False``: no band (two seeds' is too wide to read),
+  ``band="seeds"``: each seed's value as a dot instead (the spread without a t band), ``best``: a
   star at each line's lowest mean. The stability maps' figure (docs/sweeps.md), the report's and
   the transfer study's (muP's figure: the best lr of each size)."""
   from mhc_jax.sweep import lrmap
@@ -633,13 +634,16 @@ def lr_curves(
   grid = sorted(d["_lr"].unique())
   fig, axes = _grid(len(panels), 4.4, 3.4)
   for ax, (key, sub) in zip(axes.ravel(), panels):
-    for lkey, g in stats.split(sub, line):
-      g, k = g.groupby("_lr"), lines.index(lkey)
+    for lkey, rows in stats.split(sub, line):
+      g, k = rows.groupby("_lr"), lines.index(lkey)
       mid, lo, hi = (np.array([stats.mean_ci(v)[i] for _, v in g["_y"]]) for i in range(3))
       c = colors[str(lkey[0])] if by_mixer else _shade("#1f3b73", k, len(lines))
       x, label = np.array(list(g.groups)), ", ".join(f"{n} {_fmt(v)}" for n, v in zip(line, lkey))
       ax.plot(x, mid, "o-", color=c, ms=3, label=label)
-      ax.fill_between(x, lo, hi, color=c, **_BAND) if band else None
+      if band == "seeds":
+        ax.plot(rows["_lr"], rows["_y"], ".", color=c, ms=3, alpha=0.55, ls="")
+      elif band:
+        ax.fill_between(x, lo, hi, color=c, **_BAND)
       ax.plot(x[[np.nanargmin(mid)]], mid[[np.nanargmin(mid)]], "k*", ms=8) if best else None
       bad = g["diverged"].any().to_numpy(bool)
       ax.plot(x[bad], mid[bad], color=c, **_DIV)

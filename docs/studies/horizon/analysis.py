@@ -204,7 +204,9 @@ def main(argv=None) -> int:
   tables |= dict(map_vs_long=map_vs_long(runs), ground_lost=ground_lost(runs))
   tables |= dict(length_transfer=length_transfer(best, runs))
   study.write_tables(out, **tables)
-  plots.lr_curves(runs, out / "horizon.png", panel="arm", line=["steps", "clip"], best=True)
+  plots.lr_curves(
+    runs, out / "horizon.png", panel="arm", line=["steps", "clip"], band="seeds", best=True
+  )
   shown = ["arm", "length", "n_seeds", "best_lr", "loss_at_best", "lr_sensitivity"]
   shown += ["largest_working_lr", "first_failing_lr", "first_failure"]
   print(md_table(best[shown].round(4)))

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     out / "transfer.png",
     panel=["arm", "parametrization"],
     line=["width", "depth"],
-    band=False,
+    band="seeds",
     best=True,
   )
   print(md_table(tab.round(3)))
