@@ -214,6 +214,37 @@ def test_transfer_merges_later_sources_row_by_row(tmp_path):
   assert best.loc[("completep", 32, 32), "n_lr"] == 6 and best.loc[("sp", 32, 32), "n_lr"] == 5
 
 
+def _edges(**cells) -> pd.DataFrame:
+  """best_lr.csv rows at width 32: arm_par=(edge at depth 4, at 32, depth 4 censored)."""
+  rows = []
+  for key, (e4, e32, cens) in cells.items():
+    arm, par = key.rsplit("_", 1)
+    for d, e, c in ((4, e4, cens), (32, e32, False)):
+      rows.append(dict(arm=arm, parametrization=par, width=32, depth=d, largest_working_lr=e))
+      rows[-1] |= dict(edge_censored=c, edge_one_seed=False)
+  return pd.DataFrame(rows)
+
+
+def test_endpoint3_by_the_study_files_rule():
+  """configs/studies/transfer.yaml, endpoint 3: completep's fall within a step and sp's >= 2
+  removes it; completep's >= 2 with mhc's <= 1 still breaks; an edge above the grid at depth 4
+  leaves the fall unbounded above, so it cannot show "within one step"."""
+  mod = _analysis("transfer")
+  v = lambda **c: set(mod.endpoint3(_edges(**c))["verdict"])
+  removes = dict(hc_completep=(0.256, 0.128, False), hc_sp=(0.256, 0.032, False))
+  removes |= dict(mhc_completep=(0.512, 0.512, False))
+  assert v(**removes) == {"branch scaling removes HC's depth instability"}
+  breaks = dict(hc_completep=(0.512, 0.064, False), hc_sp=(0.512, 0.032, False))
+  assert v(**breaks, mhc_completep=(0.512, 0.256, False)) == {"unconstrained mixing still breaks"}
+  assert v(**breaks, mhc_completep=(0.512, 0.128, False)) == {"not decided"}  # mhc falls 2
+  censored = removes | dict(hc_completep=(0.256, 0.128, True))
+  t = mod.endpoint3(_edges(**censored)).set_index(["arm", "parametrization"])
+  assert (
+    t.loc[("hc", "completep"), "fall"] == 1 and t.loc[("hc", "completep"), "fall_hi"] == math.inf
+  )
+  assert set(t["verdict"]) == {"not decided"}
+
+
 def _planted_geometry() -> pd.DataFrame:
   """runs.csv of the geometry pilot, planted: 'tied' meets both rules on both seeds from step
   2000 (key ratio 0.5 <= 1/1.5, manifold z 5 >= 3), 'untied' has the key frame on both seeds
@@ -262,7 +293,7 @@ def test_transfer_tables_recompute_from_runs_csv(tmp_path):
   (336 runs: 4 arms x 2 parametrisations x 3 sizes x 7 lrs x 2 seeds, seeds paired)."""
   here = STUDIES / "transfer"
   assert _analysis("transfer").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
-  for name in ("best_lr.csv", "transfer.csv"):
+  for name in ("best_lr.csv", "transfer.csv", "endpoint3.csv"):
     pd.testing.assert_frame_equal(
       pd.read_csv(tmp_path / name), pd.read_csv(here / name), check_dtype=False, rtol=1e-9
     )

@@ -83,9 +83,34 @@ def transfer_table(runs: pd.DataFrame) -> pd.DataFrame:
   return pd.DataFrame(rows)
 
 
+def endpoint3(best: pd.DataFrame) -> pd.DataFrame:
+  """endpoint3.csv: HC's edge against depth by the study file's rule, per arm and
+  parametrisation from best_lr.csv's width-32 rows: the edges, their fall from depth 4 to 32 in
+  grid steps (log2) with the bounds censoring leaves (an edge above the grid at depth 4 bounds
+  the fall from below, at depth 32 from above), and the verdict (the same on every row)."""
+  rows = []
+  for (arm, par), c in best[best["width"] == BASE[0]].groupby(["arm", "parametrization"]):
+    d4, d32 = (c[c["depth"] == d].iloc[0] for d in (4, 32))
+    f = math.log2(d4["largest_working_lr"] / d32["largest_working_lr"])
+    lo, hi = -math.inf if d32["edge_censored"] else f, math.inf if d4["edge_censored"] else f
+    rows.append(dict(arm=arm, parametrization=par, edge_d4=d4["largest_working_lr"]))
+    rows[-1] |= dict(edge_d32=d32["largest_working_lr"], fall=f, fall_lo=lo, fall_hi=hi)
+    rows[-1] |= dict(one_seed_d4=d4["edge_one_seed"], one_seed_d32=d32["edge_one_seed"])
+  t = pd.DataFrame(rows).set_index(["arm", "parametrization"])
+  keys = [("hc", "completep"), ("hc", "sp"), ("mhc", "completep")]
+  hc_cp, hc_sp, mhc_cp = (t.reindex([k]).iloc[0] for k in keys)  # NaN where absent: no verdict
+  verdict = "not decided"
+  if hc_cp["fall_hi"] <= TRANSFERS and hc_sp["fall_lo"] >= DRIFTS:
+    verdict = "branch scaling removes HC's depth instability"
+  elif hc_cp["fall_lo"] >= DRIFTS and mhc_cp["fall_hi"] <= TRANSFERS:
+    verdict = "unconstrained mixing still breaks"
+  return t.reset_index().assign(verdict=verdict)
+
+
 def main(argv=None) -> int:
   runs, _, out = study.load(argv, __doc__, HERE, many=True)
   best_table(runs).to_csv(out / "best_lr.csv", index=False)
+  endpoint3(best_table(runs)).to_csv(out / "endpoint3.csv", index=False)
   tab = transfer_table(runs)
   tab.to_csv(out / "transfer.csv", index=False)
   order = study.ordered(runs, ARMS, by=["parametrization", "width", "depth", "lr", "seed"])
