@@ -18,11 +18,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
 	touch $(STAMP)
 
-test: lint  # the formatter check and the linter first, then the whole suite
-	$(PY) -m pytest -q -n 2 --durations=15
+# the formatter check and the linter first, then the whole suite; each test file runs on one
+# worker (--dist loadfile), so its module fixtures are built once, not once per worker
+test: lint
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow"
 
 lint: $(STAMP)  # the formatter check and the linter (configured in pyproject.toml)
 	$(VENV)/bin/ruff format --check mhc_jax tests benchmarks examples

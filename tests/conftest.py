@@ -65,6 +65,8 @@ def optimized():
 def pytest_collection_modifyitems(config, items):
   """Modules that hold a ``slow`` test run first, each module kept together and in file order
   otherwise. xdist hands out tests in this order, so the last ones to start are short and the
-  two workers finish together, not one idle while the other runs a 90 s test."""
+  two workers finish together, not one idle while the other runs a 90 s test. ``make test``
+  hands out whole files (``--dist loadfile``): a module's fixtures are built, and its programs
+  traced, in one worker instead of in both."""
   slow = {item.path for item in items if item.get_closest_marker("slow")}
   items.sort(key=lambda item: item.path not in slow)  # stable: file order within each group
