@@ -6,6 +6,7 @@ in :mod:`mhc_jax.errors`."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -139,28 +140,9 @@ def cmd_report(args) -> int:
   return 0
 
 
-def cmd_sweep(args) -> int:
-  from mhc_jax.sweep import runner
-
-  return runner.main(args)
-
-
-def cmd_eval(args) -> int:
-  from mhc_jax import evaluate
-
-  return evaluate.main(args)
-
-
-def cmd_coord_check(args) -> int:
-  from mhc_jax import coord_check
-
-  return coord_check.main(args)
-
-
-def cmd_map(args) -> int:
-  from mhc_jax.sweep import design_map
-
-  return design_map.main(args)
+def _main_of(module: str):
+  """The command ``module.main(args)``, its module imported only when the command runs."""
+  return lambda args: importlib.import_module(module).main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,13 +181,13 @@ def build_parser() -> argparse.ArgumentParser:
   )
   s.add_argument("--executor", help="where the jobs run: local (default with --parallel), slurm")
   _add_dist_flags(s)
-  s.set_defaults(fn=cmd_sweep)
+  s.set_defaults(fn=_main_of("mhc_jax.sweep.runner"))
   e = sub.add_parser("eval", help="posterior fidelity and geometry probes on a run's checkpoint")
   e.add_argument("--run", required=True, help="run directory")
   e.add_argument("--batches", type=int, default=8, help="validation batches to average")
   e.add_argument("--series", action="store_true", help="each checkpoint -> geometry_series.csv")
   e.add_argument("--steps", help="--series: only these steps, comma-separated (0: the init)")
-  e.set_defaults(fn=cmd_eval)
+  e.set_defaults(fn=_main_of("mhc_jax.evaluate"))
   c = sub.add_parser("coord-check", help="activation/update RMS against width and depth")
   c.add_argument("mixer", help="a mixer name (its options: --set model.mixer_options.K=V)")
   c.add_argument("--config", help="base YAML config (default: the config defaults)")
@@ -219,7 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
   )
   c.add_argument("--out", required=True, help="a new directory for the CSV and the plot")
   c.add_argument("--quiet", action="store_true", help="no progress bar")
-  c.set_defaults(fn=cmd_coord_check)
+  c.set_defaults(fn=_main_of("mhc_jax.coord_check"))
   m = sub.add_parser("map", help="one design's row of the zoo's stability map (docs/sweeps.md)")
   m.add_argument("mixer", help="a mixer name or pkg.module:Class")
   _add_set_flag(m, "overrides, e.g. model.mixer_options.n=2 train.steps=300 (may be repeated)")
@@ -233,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
   m.add_argument("--executor", help="where the jobs run: local (default with --parallel), slurm")
   m.add_argument("--dry-run", action="store_true", help="runs, FLOPs, a time estimate")
   m.add_argument("--quiet", action="store_true")
-  m.set_defaults(fn=cmd_map)
+  m.set_defaults(fn=_main_of("mhc_jax.sweep.design_map"))
   return ap
 
 
