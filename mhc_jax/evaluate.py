@@ -95,12 +95,8 @@ def _forward_fns(model, cfg):
   """Jitted (logits, loss, count) of a batch, and the model's sown intermediates; one pair per
   model config and target in a process (an arm's seeds compile them once)."""
   key = (repr(model.cfg), cfg.data.target)
-  if key not in _FORWARD_FNS:
-    _FORWARD_FNS[key] = _new_forward_fns(model, cfg)
-  return _FORWARD_FNS[key]
-
-
-def _new_forward_fns(model, cfg):
+  if key in _FORWARD_FNS:
+    return _FORWARD_FNS[key]
 
   def fwd(params, batch):
     logits, _ = model.apply(params, batch["inputs"], stats=False)
@@ -112,7 +108,8 @@ def _new_forward_fns(model, cfg):
     _, st = model.apply(params, tokens, mutable=["intermediates"], capture_intermediates=capture)
     return st["intermediates"]
 
-  return jax.jit(fwd), jax.jit(inter)
+  _FORWARD_FNS[key] = jax.jit(fwd), jax.jit(inter)
+  return _FORWARD_FNS[key]
 
 
 def pad_vocab(dist: np.ndarray, vocab: int) -> np.ndarray:
