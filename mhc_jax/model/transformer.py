@@ -36,10 +36,6 @@ REMAT_POLICIES = {
 }
 
 
-def _dtype(name: str):
-  return jnp.dtype(name)
-
-
 def make_mixer(cfg, name: str | None = None) -> mixers.Mixer:
   """The config's mixer (``module_name=name``), told the model's 2L mixer layers."""
   return mixers.get(cfg.mixer, module_name=name, layers=2 * cfg.depth, **cfg.mixer_options)
@@ -88,7 +84,7 @@ class Block(nn.Module):
   def __call__(self, state, xs):
     cfg = self.cfg
     i, probe = xs
-    dt = _dtype(cfg.dtype)
+    dt = jnp.dtype(cfg.dtype)
     attn_mix, mlp_mix = make_mixer(cfg, "attn_mix"), make_mixer(cfg, "mlp_mix")
     out_scale = 1.0 / math.sqrt(2 * cfg.depth) if cfg.init == "depth_scaled" else 1.0
     out_scale *= attn_mix.sublayer_out_scale(2 * cfg.depth)
@@ -136,13 +132,6 @@ class Block(nn.Module):
     return state, (stats, logit_max[0])
 
 
-def _block_cls(cfg):
-  cls = Block
-  if cfg.remat != "none":
-    cls = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan)
-  return cls
-
-
 class Transformer(nn.Module):
   cfg: object  # mhc_jax.train.config.ModelConfig (vocab resolved)
 
@@ -152,13 +141,15 @@ class Transformer(nn.Module):
     statistics; the per-layer mixer stats and attention-logit maxima are never computed (under
     ``nn.scan`` XLA would otherwise compute and stack them every step)."""
     cfg = self.cfg
-    dt, L, c = _dtype(cfg.dtype), cfg.depth, cfg.width
+    dt, L, c = jnp.dtype(cfg.dtype), cfg.depth, cfg.width
     init = nn.with_logical_partitioning(nn.initializers.normal(1.0), ("vocab", "embed"))
     embed = self.param("embedding", init, (cfg.vocab, c), jnp.float32)
     x_BTC = jnp.take(embed, tokens_BT, axis=0).astype(dt)
     mixer = make_mixer(cfg).clone(parent=None)  # unbound: expand/collapse specs only
     state = mixer.expand(x_BTC)
-    block = _block_cls(cfg)
+    block = Block
+    if cfg.remat != "none":
+      block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan)
     idx = jnp.arange(L)
     if cfg.scan:
       scanned = nn.scan(
@@ -209,7 +200,7 @@ class Transformer(nn.Module):
 
 def state_shapes(cfg, batch: int, length: int):
   """The mixer state's pytree of ``jax.ShapeDtypeStruct`` for ``[batch, length]`` tokens."""
-  x = jax.ShapeDtypeStruct((batch, length, cfg.width), _dtype(cfg.dtype))
+  x = jax.ShapeDtypeStruct((batch, length, cfg.width), jnp.dtype(cfg.dtype))
   return jax.eval_shape(make_mixer(cfg).expand, x)
 
 
