@@ -76,9 +76,14 @@ def _check_number(name: str, value: Any, ok, what: str) -> float:
   return float(value)
 
 
+def _sequence(tokens, targets, mask, posterior, evidence, **extra) -> dict[str, jax.Array]:
+  """One sequence's fields (docs/windtunnel.md): ``tokens [T + 1]`` gives the inputs, the entropy
+  is the posterior's at the supervised positions."""
+  fields = dict(inputs=tokens[:-1], targets=targets, mask=mask, posterior=posterior)
+  return fields | dict(entropy=entropy_bits(posterior) * mask, evidence=evidence, **extra)
+
+
 # ------------------------------------------------------------------------ Bijection elimination
-
-
 def bijection_posterior(keys: jax.Array, values: jax.Array, n_symbols: int):
   """Exact posterior ``[N, V]`` over π(k_i) given pairs j < i of one sequence's keys and values
   ``[N]``, and the evidence ``[N]``: distinct values revealed before pair i."""
@@ -147,15 +152,7 @@ class BijectionTask(WindTunnel):
     posterior = jnp.zeros((T, self.vocab_size), jnp.float32)
     posterior = posterior.at[q_pos, V : 2 * V].set(post_N)
     evidence = jnp.zeros((T,), jnp.int32).at[q_pos].set(evidence_N)
-    return {
-      "inputs": tokens[:-1],
-      "targets": tokens[1:],
-      "mask": mask,
-      "posterior": posterior,
-      "entropy": entropy_bits(posterior) * mask,
-      "evidence": evidence,
-      "permutation": perm.astype(jnp.int32),
-    }
+    return _sequence(tokens, tokens[1:], mask, posterior, evidence, permutation=perm)
 
   def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
     out = jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
@@ -175,8 +172,6 @@ class BijectionTask(WindTunnel):
 
 
 # -------------------------------------------------------------------------------- HMM filtering
-
-
 def hmm_forward(log_pi0: jax.Array, log_T: jax.Array, log_E: jax.Array, obs: jax.Array):
   """Log-space forward pass over ``obs [L]`` given log_pi0 [S], log_T [S,S] (row = from), log_E
   [S,K]: ``log_predictive [L+1, K]``, row t = log p(o_{t+1} | o_1..t) (row 0: before any
@@ -344,15 +339,7 @@ class HMMTask(WindTunnel):
     state_post = jnp.zeros((T + 1, S), jnp.float32)
     state_post = state_post.at[h - 1].set(jnp.exp(log_pi0))
     state_post = state_post.at[obs_pos].set(jnp.exp(log_filt))[:T]
-    return {
-      "inputs": tokens[:-1],
-      "targets": targets,
-      "mask": mask,
-      "posterior": posterior,
-      "entropy": entropy_bits(posterior) * mask,
-      "evidence": evidence,
-      "state_posterior": state_post,
-    }
+    return _sequence(tokens, targets, mask, posterior, evidence, state_posterior=state_post)
 
   def sample(self, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
     return jax.vmap(self.sample_one)(jax.random.split(key, batch_size))
