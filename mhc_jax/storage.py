@@ -8,6 +8,7 @@ locally a fsynced temporary file renamed over the target; on an object store one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -48,16 +49,12 @@ def json_default(o: Any) -> Any:
 
 
 def _fsync_dir(d: str) -> None:
-  try:
+  with contextlib.suppress(OSError):  # not every platform can open or fsync a directory
     fd = os.open(d, os.O_RDONLY)
-  except OSError:
-    return
-  try:
-    os.fsync(fd)
-  except OSError:  # not every platform can fsync a directory
-    pass
-  finally:
-    os.close(fd)
+    try:
+      os.fsync(fd)
+    finally:
+      os.close(fd)
 
 
 def write_bytes_atomic(p: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
