@@ -62,10 +62,7 @@ def match_width(
   # count(W) = a W^2 + b W + c
   a, b, c = L - 1, K * E + 1 + (L - 1) + V, V * E + V
   rest = target_params - c
-  if a == 0:
-    w0 = rest / b
-  else:
-    w0 = (-b + math.sqrt(max(b * b + 4 * a * rest, 0.0))) / (2 * a)
+  w0 = rest / b if a == 0 else (-b + math.sqrt(max(b * b + 4 * a * rest, 0.0))) / (2 * a)
   cands = {max(1, int(math.floor(w0)) + d) for d in (-1, 0, 1, 2)}
   best = min(cands, key=lambda w: abs(window_mlp_param_count(V, w, K, L, E) - target_params))
   got = window_mlp_param_count(V, best, K, L, E)

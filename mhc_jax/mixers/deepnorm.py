@@ -49,9 +49,7 @@ class DeepNorm(Mixer):
 
   def sublayer_out_scale(self, layers: int) -> float:
     """``β``: DeepNet's ``(8L)^{-1/4}`` for ``layers = 2L`` mixer layers, unless given."""
-    if self.beta is not None:
-      return float(self.beta)
-    return float(4 * layers) ** -0.25
+    return float(4 * layers) ** -0.25 if self.beta is None else float(self.beta)
 
   @nn.compact
   def __call__(self, x_BTnC, sublayer, layer=0):

@@ -246,8 +246,7 @@ def _blame(e: ConfigError, overrides: Mapping) -> str | None:
   """The override a ConfigError names (its key, or a section or part of it), if any."""
   key = str(e).split(":", 1)[0].strip()
   return next(
-    (k for k in overrides if key == k or key.startswith(k + ".") or k.startswith(key + ".")),
-    None,
+    (k for k in overrides if key == k or key.startswith(k + ".") or k.startswith(key + ".")), None
   )
 
 

@@ -51,9 +51,7 @@ def make_schedule(optim: OptimConfig, total_steps: int, *, lr: Any = None) -> op
       after = peak + (end - peak) * t
     else:
       after = peak * jnp.ones_like(t)
-    if warmup == 0:
-      return after
-    return jnp.where(step < warmup, peak * step / warmup, after)
+    return after if warmup == 0 else jnp.where(step < warmup, peak * step / warmup, after)
 
   return schedule
 
@@ -70,9 +68,7 @@ def decays(name: str | None) -> bool:
   """Whether a parameter with this leaf name gets weight decay: matrices and embeddings
   (`kernel`, `embedding`) and mixer dynamic weights (`w_*`, `phi*`). Not: norm `scale`,
   `bias`, mixer static parts (`b_*`), scalar gates (`alpha_*`, `s_*`), unnamed leaves."""
-  if name is None:
-    return False
-  return name in _DECAY_NAMES or name.startswith(_DECAY_PREFIXES)
+  return name is not None and (name in _DECAY_NAMES or name.startswith(_DECAY_PREFIXES))
 
 
 def decay_mask(params) -> Any:
@@ -103,10 +99,7 @@ def make_optimizer(
     parts.append(optax.clip_by_global_norm(optim.clip))
   if model is not None and model.parametrization != "sp":
     adam = dict(b1=optim.b1, b2=optim.b2, eps=optim.eps)
-    parts += [
-      mp.scale_by_role(model, adam, wd, decay_mask),
-      optax.scale_by_learning_rate(schedule),
-    ]
+    parts += [mp.scale_by_role(model, adam, wd, decay_mask), optax.scale_by_learning_rate(schedule)]
   elif optim.independent_wd:
     parts += [
       optax.scale_by_adam(b1=optim.b1, b2=optim.b2, eps=optim.eps),
