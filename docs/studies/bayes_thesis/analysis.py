@@ -55,10 +55,7 @@ def run_row(run: pathlib.Path) -> dict | None:
   )
   if summary.get("status") != "done":
     return None
-  cfg = {}
-  for part in run.name.split(","):
-    k, _, v = part.partition("=")
-    cfg[k] = v
+  cfg = dict(part.partition("=")[::2] for part in run.name.split(","))  # name=value,...
   evals, diags = {}, []
   for line in (run / "metrics.jsonl").read_text().splitlines():
     r = json.loads(line)
@@ -81,8 +78,7 @@ def run_row(run: pathlib.Path) -> dict | None:
     "first_step_kl_below_0.03": next((s for s in steps if evals[s] <= THRESHOLD_BITS), math.nan),
     "wall_s": summary.get("wall_s"),
   }
-  for s in steps:
-    row[f"kl_bits@{s}"] = evals[s]
+  row |= {f"kl_bits@{s}": evals[s] for s in steps}
   ev = run / "eval.json"
   if ev.exists():  # exploratory: `mhc-jax eval --run RUN` on the final checkpoint
     (scores,) = geometry_plots.score_rows({run.name: json.loads(ev.read_text())})
