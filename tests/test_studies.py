@@ -245,6 +245,26 @@ def test_endpoint3_by_the_study_files_rule():
   assert set(t["verdict"]) == {"not decided"}
 
 
+def test_edge_against_width_with_its_bounds():
+  """edge_width.csv: the change from width 32 to 128 in grid steps; an edge above the grid at
+  width 32 bounds it from above only, at width 128 from below only; sp's prediction -1 (Haas
+  et al.), completep's 0."""
+  rows = [
+    dict(arm="hc", parametrization=p, width=w, depth=4, largest_working_lr=e, edge_censored=c)
+    for p, w, e, c in [
+      ("sp", 32, 0.256, False),
+      ("sp", 128, 0.128, False),
+      ("completep", 32, 0.512, True),
+      ("completep", 128, 0.512, False),
+    ]
+  ]
+  t = _analysis("transfer").edge_width(pd.DataFrame(rows)).set_index("parametrization")
+  assert t.loc["sp", ["change", "change_lo", "change_hi", "predicted"]].tolist() == [-1, -1, -1, -1]
+  cp = t.loc["completep"]
+  assert cp["change"] == 0 and cp["change_lo"] == -math.inf and cp["change_hi"] == 0
+  assert cp["predicted"] == 0
+
+
 def _planted_geometry() -> pd.DataFrame:
   """runs.csv of the geometry pilot, planted: 'tied' meets both rules on both seeds from step
   2000 (key ratio 0.5 <= 1/1.5, manifold z 5 >= 3), 'untied' has the key frame on both seeds
@@ -293,7 +313,7 @@ def test_transfer_tables_recompute_from_runs_csv(tmp_path):
   (336 runs: 4 arms x 2 parametrisations x 3 sizes x 7 lrs x 2 seeds, seeds paired)."""
   here = STUDIES / "transfer"
   assert _analysis("transfer").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
-  for name in ("best_lr.csv", "transfer.csv", "endpoint3.csv"):
+  for name in ("best_lr.csv", "transfer.csv", "endpoint3.csv", "edge_width.csv"):
     pd.testing.assert_frame_equal(
       pd.read_csv(tmp_path / name), pd.read_csv(here / name), check_dtype=False, rtol=1e-9
     )

@@ -107,10 +107,28 @@ def endpoint3(best: pd.DataFrame) -> pd.DataFrame:
   return t.reset_index().assign(verdict=verdict)
 
 
+def edge_width(best: pd.DataFrame) -> pd.DataFrame:
+  """edge_width.csv: the largest working lr at width 128 against width 32 (depth 4), its change
+  in grid steps (log2) with the bounds censoring leaves, beside the predicted change: Haas et
+  al.'s sp edge ~ width^-1/2 (-1 step over 4x) and CompleteP's flat edge (0)."""
+  rows = []
+  for (arm, par), c in best[best["depth"] == BASE[1]].groupby(["arm", "parametrization"]):
+    if {32, 128} <= set(c["width"]):
+      a, b = (c[c["width"] == w].iloc[0] for w in (32, 128))
+      f = math.log2(b["largest_working_lr"] / a["largest_working_lr"])
+      lo, hi = -math.inf if a["edge_censored"] else f, math.inf if b["edge_censored"] else f
+      rows.append(dict(arm=arm, parametrization=par, edge_w32=a["largest_working_lr"]))
+      rows[-1] |= dict(edge_w128=b["largest_working_lr"], change=f, change_lo=lo, change_hi=hi)
+      rows[-1] |= dict(predicted=-1.0 if par == "sp" else 0.0)
+  return pd.DataFrame(rows)
+
+
 def main(argv=None) -> int:
   runs, _, out = study.load(argv, __doc__, HERE, many=True)
-  best_table(runs).to_csv(out / "best_lr.csv", index=False)
-  endpoint3(best_table(runs)).to_csv(out / "endpoint3.csv", index=False)
+  best = best_table(runs)
+  best.to_csv(out / "best_lr.csv", index=False)
+  endpoint3(best).to_csv(out / "endpoint3.csv", index=False)
+  edge_width(best).to_csv(out / "edge_width.csv", index=False)
   tab = transfer_table(runs)
   tab.to_csv(out / "transfer.csv", index=False)
   order = study.ordered(runs, ARMS, by=["parametrization", "width", "depth", "lr", "seed"])
