@@ -191,9 +191,10 @@ def test_transfer_merges_later_sources_row_by_row(tmp_path):
     f"arm={a},parametrization={p},size=w{w}_d{d},lr={lr:g},seed={s}"
     for a, p, w, d, lr, s in runs[["arm", "parametrization", "width", "depth", "lr", "seed"]].values
   ]
+  runs["n"] = np.where(runs["parametrization"] == "sp", 4, np.nan)  # streams: a count with holes
   runs.to_csv(tmp_path / "runs.csv", index=False)
   cell = (runs.parametrization == "completep") & (runs.width == 32) & (runs.depth == 32)
-  later = runs[cell].assign(eval_loss=lambda d: d["eval_loss"] + 1.0)  # a rerun, worse
+  later = runs[cell].assign(eval_loss=lambda d: d["eval_loss"] + 1.0, n=4)  # a rerun, worse
   more = later[later.lr == 0.064].assign(
     lr=0.128, run=lambda d: d["run"].str.replace("0.064", "0.128")
   )
@@ -205,6 +206,7 @@ def test_transfer_merges_later_sources_row_by_row(tmp_path):
     mod.main([str(tmp_path / "runs.csv"), str(tmp_path / "b" / "runs.csv"), "--out", str(out)]) == 0
   )
   merged = pd.read_csv(out / "runs.csv")
+  assert "4.0" not in (out / "runs.csv").read_text()  # a count read from a sweep stays one
   assert len(merged) == len(runs) + 2 and merged["run"].is_unique
   assert merged["run"].tolist()[: len(runs)] == runs["run"].tolist()  # replaced in place
   m = merged.set_index("run")
@@ -309,8 +311,9 @@ def test_geometry_pilot_decision_from_planted_runs(tmp_path):
 
 
 def test_transfer_tables_recompute_from_runs_csv(tmp_path):
-  """docs/studies/transfer: best_lr.csv and transfer.csv recomputed from the committed runs.csv
-  (336 runs: 4 arms x 2 parametrisations x 3 sizes x 7 lrs x 2 seeds, seeds paired)."""
+  """docs/studies/transfer: its tables recomputed from the committed runs.csv (336 runs: 4 arms
+  x 2 parametrisations x 3 sizes x 7 lrs x 2 seeds, seeds paired; then the extension's hc and
+  mhc at depth 4, 10 lrs x 4 seeds, replacing 56 of them: 440)."""
   here = STUDIES / "transfer"
   assert _analysis("transfer").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
   for name in ("best_lr.csv", "transfer.csv", "endpoint3.csv", "edge_width.csv"):
@@ -319,9 +322,14 @@ def test_transfer_tables_recompute_from_runs_csv(tmp_path):
     )
   runs = pd.read_csv(here / "runs.csv")
   need = {"arm", "mixer", "parametrization", "width", "depth", "lr", "seed", "status"}
-  assert need | {"loss_init", "eval_loss"} <= set(runs.columns) and len(runs) == 336
+  assert need | {"loss_init", "eval_loss"} <= set(runs.columns) and len(runs) == 440
+  d4 = runs[(runs["depth"] == 4) & (runs["width"] == 32) & runs["arm"].isin(["hc", "mhc"])]
+  assert d4.groupby(["arm", "parametrization"])["seed"].nunique().eq(4).all()
   cells = runs.groupby(["arm", "parametrization", "width", "depth", "lr"])["seed"]
-  assert cells.apply(lambda v: sorted(v) == [0, 1]).all() and cells.ngroups == 168
+  ext = lambda k: k[0] in ("hc", "mhc") and k[2:4] == (32, 4)  # 4 seeds, 10 lrs (extension)
+  seeds = {k: sorted(v) for k, v in cells}
+  assert all(s == ([0, 1, 2, 3] if ext(k) else [0, 1]) for k, s in seeds.items())
+  assert len(seeds) == 168 + 4 * 3  # 0.256, 0.512 and 1.024 in the 4 extended cells
 
 
 @pytest.mark.parametrize("folder", ["geometry_pilot", "geometry_pilot/long"])
