@@ -42,6 +42,9 @@ _CONTROLLER = os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getp
 _CACHE = os.path.join(tempfile.gettempdir(), f"mhc_jax_tests_xla_cache_{_CONTROLLER}")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# matplotlib's font cache: one place for the session, not $HOME, which tests that run commands
+# as a user point at their own folder (tests/test_docs_commands.py checks nothing is written)
+os.environ.setdefault("MPLCONFIGDIR", os.path.join(_CACHE, "matplotlib"))
 
 
 import pytest  # noqa: E402
