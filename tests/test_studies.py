@@ -313,7 +313,7 @@ def test_geometry_pilot_decision_from_planted_runs(tmp_path):
 def test_transfer_tables_recompute_from_runs_csv(tmp_path):
   """docs/studies/transfer: its tables recomputed from the committed runs.csv (336 runs: 4 arms
   x 2 parametrisations x 3 sizes x 7 lrs x 2 seeds, seeds paired; then the extension's hc and
-  mhc at depth 4, 10 lrs x 4 seeds, replacing 56 of them: 440)."""
+  mhc at depth 4 and hc under completep at depth 32, 10 lrs x 4 seeds, replacing 70: 466)."""
   here = STUDIES / "transfer"
   assert _analysis("transfer").main([str(here / "runs.csv"), "--out", str(tmp_path)]) == 0
   for name in ("best_lr.csv", "transfer.csv", "endpoint3.csv", "edge_width.csv"):
@@ -322,14 +322,16 @@ def test_transfer_tables_recompute_from_runs_csv(tmp_path):
     )
   runs = pd.read_csv(here / "runs.csv")
   need = {"arm", "mixer", "parametrization", "width", "depth", "lr", "seed", "status"}
-  assert need | {"loss_init", "eval_loss"} <= set(runs.columns) and len(runs) == 440
+  assert need | {"loss_init", "eval_loss"} <= set(runs.columns) and len(runs) == 466
   d4 = runs[(runs["depth"] == 4) & (runs["width"] == 32) & runs["arm"].isin(["hc", "mhc"])]
   assert d4.groupby(["arm", "parametrization"])["seed"].nunique().eq(4).all()
   cells = runs.groupby(["arm", "parametrization", "width", "depth", "lr"])["seed"]
-  ext = lambda k: k[0] in ("hc", "mhc") and k[2:4] == (32, 4)  # 4 seeds, 10 lrs (extension)
+  ext = lambda k: (
+    (k[0] in ("hc", "mhc") and k[2:4] == (32, 4)) or k[:4] == ("hc", "completep", 32, 32)
+  )
   seeds = {k: sorted(v) for k, v in cells}
   assert all(s == ([0, 1, 2, 3] if ext(k) else [0, 1]) for k, s in seeds.items())
-  assert len(seeds) == 168 + 4 * 3  # 0.256, 0.512 and 1.024 in the 4 extended cells
+  assert len(seeds) == 168 + 5 * 3  # 0.256, 0.512 and 1.024 in the 5 extended cells
 
 
 @pytest.mark.parametrize("folder", ["geometry_pilot", "geometry_pilot/long"])
