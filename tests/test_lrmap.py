@@ -382,8 +382,9 @@ def test_lr_curves_can_show_each_seed_instead_of_a_band(tmp_path, monkeypatch):
     np.isfinite(runs["eval_loss"]), np.fmin(runs["eval_loss"], runs["loss_init"]), runs["loss_init"]
   )
   assert {(round(a, 6), round(b, 6)) for a, b in zip(runs["lr"], y)} <= points
-  assert not ax.collections or all(
-    len(c.get_paths()) == 0 for c in ax.collections if c.get_label() == "band"
-  )
+  assert not ax.collections  # no t band (fill_between) drawn
   lo, hi = ax.get_ylim()
   assert lo >= min(y) - 0.5 and hi <= max(y) + 0.5
+  drawn.clear()
+  plots.lr_curves(runs, tmp_path / "c.png", panel="study", line="arm", band=True)
+  assert drawn["fig"].axes[0].collections  # the default draws it

@@ -49,7 +49,8 @@ def merge_runs(frames: list[pd.DataFrame]) -> pd.DataFrame:
   earlier one's in its place; runs no earlier source has come after, in their order."""
   d = pd.concat(frames, ignore_index=True)
   ints = {c for f in frames for c in f if pd.api.types.is_integer_dtype(f[c])}
-  d = d.astype({c: "Int64" for c in ints if pd.api.types.is_numeric_dtype(d[c])})  # 4, not 4.0
+  whole = lambda c: pd.api.types.is_numeric_dtype(d[c]) and (d[c].dropna() % 1 == 0).all()
+  d = d.astype({c: "Int64" for c in ints if whole(c)})  # a count stays one: 4, not 4.0
   first = d.drop_duplicates("run").reset_index().set_index("run")["index"]
   kept = d.drop_duplicates("run", keep="last")
   return kept.iloc[np.argsort(kept["run"].map(first).to_numpy(), kind="stable")]

@@ -565,7 +565,8 @@ def result_keys(d: dict) -> dict:
   elif model.get("base_head_dim") is None:  # unset: hashes as before the key existed
     model.pop("base_head_dim", None)
   if optim.get("base_steps") is None:  # unset: the lr as set, hashed as before the keys existed
-    optim.pop("base_steps", None), optim.pop("steps_exponent", None)
+    for k in ("base_steps", "steps_exponent"):
+      optim.pop(k, None)
   for section, keys in _RETIRED.items():
     d.setdefault(section, {}).update(keys)
   return d
